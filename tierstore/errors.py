@@ -1,0 +1,52 @@
+"""The exception hierarchy: every error the store raises subclasses ``StoreError``."""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base class of every error raised by tierstore."""
+
+
+class KeyNotFound(StoreError):
+    """The key is not in the store (or not in the opened version)."""
+
+
+class InvalidKey(StoreError, ValueError):
+    """The key breaks the key rules (charset, segments, length)."""
+
+
+class ReadOnlyError(StoreError):
+    """A write was attempted on a store opened with mode="r"."""
+
+
+class StoreLocked(StoreError):
+    """Another process holds the writer lock of this store."""
+
+
+class CorruptData(StoreError):
+    """Stored bytes fail a check; the message names the key and the chunk."""
+
+    def __init__(self, message: str, key: str | None = None, chunk: int | None = None):
+        super().__init__(message)
+        self.key = key
+        self.chunk = chunk
+
+
+class FormatVersionError(StoreError):
+    """The store was written by a newer format version than this code reads."""
+
+
+class BudgetError(StoreError):
+    """A budget is too small for the request (e.g. smaller than one chunk)."""
+
+
+class CodecError(StoreError, ValueError):
+    """A codec name, spec or parameter is unknown or invalid, or data cannot be coded."""
+
+
+class StoreClosed(StoreError):
+    """The store was used after close()."""
+
+
+class DiskError(StoreError, OSError):
+    """An I/O call failed (EIO, ENOSPC, ...); the last commit is untouched."""
