@@ -3,9 +3,6 @@
 from tierstore import codecs
 from tierstore.api import open, open_async
 from tierstore.config import StoreConfig, parse_size
-from tierstore.records import Commit, TensorInfo
-from tierstore.store import AsyncStore
-from tierstore.sync import Store
 from tierstore.errors import (
     BudgetError,
     CodecError,
@@ -21,6 +18,9 @@ from tierstore.errors import (
     StoreLocked,
     StoreNotFound,
 )
+from tierstore.records import Commit, TensorInfo
+from tierstore.store import AsyncStore
+from tierstore.sync import Store
 
 __all__ = [
     "AsyncStore",

@@ -16,9 +16,9 @@ import fcntl
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from tierstore.config import StoreConfig
 from tierstore.dtypes import dtype_name
 from tierstore.errors import (
     BudgetError,
+    CorruptData,
     InvalidIndex,
     KeyNotFound,
     ReadOnlyError,
@@ -644,6 +645,21 @@ class AsyncStore:
             "commits": c.commits, "prefetched_chunks": c.prefetched_chunks,
             "prefetch_errors": self.prefetch_errors, "dirty_chunks": self._host.dirty_count(),
         }
+
+    async def verify(self) -> list[CorruptData]:
+        """Re-read every chunk of the opened version from disk and check it; return the faults."""
+        self._check_open()
+        faults: list[CorruptData] = []
+        committed = {k: r for k, r in self._head.items() if r.generation in self._committed}
+        for key, rec in sorted(committed.items()):
+            for i, (n, crc) in enumerate(rec.chunks):
+                path = self._disk.chunk_path(key, rec.generation, rec.grid, i)
+                buf = np.empty(n, np.uint8)
+                try:
+                    await self._run_io(self._disk.read_chunk, path, key, i, n, crc, [buf])
+                except CorruptData as e:
+                    faults.append(e)
+        return faults
 
     # ---------------------------------------------------------------- commit
 

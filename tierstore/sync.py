@@ -107,6 +107,10 @@ class Store:
         """The folder of ``key``'s current generation, readable with ``zarr.open_array``."""
         return self._loop.call(self._a.zarr_path, key)
 
+    def verify(self) -> list[Any]:
+        """Re-read every committed chunk from disk; the CorruptData faults found (empty = intact)."""
+        return self._loop.run(self._a.verify())
+
     def chrome_trace(self) -> str:
         """The I/O trace as Chrome trace JSON (open in Perfetto)."""
         return self._a.tracer.chrome_trace()
