@@ -67,7 +67,7 @@ class AsyncStore:
         self.tracer = Tracer()
         self._catalog: Catalog | None = None
         self._lock_fd: int | None = None
-        self._disk = DiskTier(self.path, config.o_direct)
+        self._disk = DiskTier(self.path)
         pin = torch.cuda.is_available() and config.device is not None and config.device.type == "cuda"
         self._host = HostTier(config.ram_budget, pin=pin)
         self._host.explain_stuck = self._explain_stuck
@@ -86,7 +86,7 @@ class AsyncStore:
         self._reads: dict[tuple[int, int], asyncio.Task[torch.Tensor]] = {}
         self._device_loads: dict[int, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[Any]] = set()
-        self._unsynced: set[str] = set()
+        self._unsynced: set[str] = set()  # folders created since the last commit
         self._write_sem: asyncio.Semaphore | None = None
         self._read_sem: asyncio.Semaphore | None = None
         self._commit_lock: asyncio.Lock | None = None
@@ -291,16 +291,16 @@ class AsyncStore:
         raw_bytes = grid.chunk_numel * t.element_size()
         for i in range(grid.n_chunks):
             if codec.raw_layout:
-                await self._host.reserve(raw_bytes)
-                buf = self._host.allocate(raw_bytes)
+                buf = await self._host.alloc(raw_bytes)
                 try:
                     payload, crc = await self._run_cpu(raw_bytes, encode_chunk, codec, flat, grid, i, buf)
                 except BaseException:
-                    self._host.release(raw_bytes)
+                    self._host.release(buf)
                     raise
             else:
-                payload, crc = await self._run_cpu(raw_bytes, encode_chunk, codec, flat, grid, i, None)
-                await self._host.reserve(payload.numel())
+                encoded, crc = await self._run_cpu(raw_bytes, encode_chunk, codec, flat, grid, i, None)
+                payload = await self._host.alloc(encoded.numel())
+                payload.copy_(encoded)  # into a buffer the RAM tier accounts for
             self._host.insert((gen, i), payload, dirty=True)
             chunks.append((payload.numel(), crc))
             path = self._disk.chunk_path(key, gen, grid, i)
@@ -316,7 +316,6 @@ class AsyncStore:
             await self._run_io(self._disk.write_file, path, parts)
         n = sum(memoryview(p).nbytes for p in parts)
         self.stats_counters.bytes_written_disk += n
-        self._unsynced.add(path)
         if cid is not None:
             self._host.mark_clean(cid)
         self.tracer.span("write", "disk", t0, time.perf_counter(), bytes=n)
@@ -508,13 +507,15 @@ class AsyncStore:
     async def _disk_read(self, rec: GenRecord, i: int, cache: str) -> torch.Tensor:
         cid = (rec.generation, i)
         n, crc = rec.chunks[i]
+        buf: torch.Tensor | None = None
         if cache == "yes":
-            await self._host.reserve(n)
-            reserved = True
-        else:
-            reserved = cache == "try" and self._host.try_reserve(n)
+            buf = await self._host.alloc(n)
+        elif cache == "try":
+            buf = self._host.try_alloc(n)
+        reserved = buf is not None
+        if buf is None:
+            buf = torch.empty(n, dtype=torch.uint8)
         try:
-            buf = self._host.allocate(n) if reserved else torch.empty(n, dtype=torch.uint8)
             path = self._disk.chunk_path(rec.key, rec.generation, rec.grid, i)
             assert self._read_sem is not None
             async with self._read_sem:
@@ -522,7 +523,7 @@ class AsyncStore:
                 await self._run_io(self._disk.read_chunk, path, rec.key, i, n, crc, [buf.numpy()])
         except BaseException:
             if reserved:
-                self._host.release(n)
+                self._host.release(buf)
             raise
         self.stats_counters.reads_disk += 1
         self.stats_counters.bytes_read_disk += n + 4

@@ -38,9 +38,8 @@ def checksum(parts: Sequence[Buffer]) -> int:
 class DiskTier:
     """Owns ``<root>/data``: one folder per tensor generation, one file per chunk."""
 
-    def __init__(self, root: str, o_direct: bool = False):
+    def __init__(self, root: str):
         self.data_dir = os.path.join(os.path.realpath(root), "data")
-        self.o_direct = o_direct and hasattr(os, "O_DIRECT")
 
     def generation_dir(self, key: str, generation: int) -> str:
         """The folder of one generation; never outside the data folder."""
@@ -75,7 +74,11 @@ class DiskTier:
         return created
 
     def write_file(self, path: str, parts: Sequence[Buffer]) -> None:
-        """Write ``parts`` as the whole content of ``path`` (no fsync; see ``fsync_paths``)."""
+        """Write ``parts`` as the whole content of ``path`` and fdatasync it.
+
+        Syncing here, on a write-behind thread, keeps the disk busy while puts go on; a commit
+        then only has to fsync the new folders.
+        """
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
@@ -93,6 +96,7 @@ class DiskTier:
                     views.pop(0)
                 if n:  # a short write: resume inside the first unwritten buffer
                     views[0] = views[0][n:]
+            os.fdatasync(fd)
         except OSError as e:
             raise DiskError(f"writing {path} failed: {e.strerror} (errno {e.errno})") from e
         finally:
