@@ -31,6 +31,7 @@ from tierstore.dtypes import dtype_name
 from tierstore.errors import (
     BudgetError,
     CorruptData,
+    DiskError,
     InvalidIndex,
     KeyNotFound,
     ReadOnlyError,
@@ -39,6 +40,7 @@ from tierstore.errors import (
     StoreLocked,
     StoreNotFound,
 )
+from tierstore.faults import FaultPlan
 from tierstore.keys import validate_key
 from tierstore.layout import ChunkGrid, zarr_metadata
 from tierstore.prefetch import AccessPredictor
@@ -182,9 +184,10 @@ class AsyncStore:
         try:
             if commit and not self.readonly and self._has_changes():
                 await self.commit(message="close")
-            else:
-                await self._drain_writes(retry=False)
         finally:
+            # let in-flight I/O settle; failures no longer matter: nothing uncommitted survives
+            pending = [t for ts in self._writes.values() for t in ts] + list(self._retiring)
+            await asyncio.gather(*pending, return_exceptions=True)
             for t in list(self._background):
                 t.cancel()
             self._closed = True
@@ -664,7 +667,7 @@ class AsyncStore:
 
     # ---------------------------------------------------------------- commit
 
-    async def _drain_writes(self, retry: bool) -> None:
+    async def _drain_writes(self) -> None:
         """Wait for every pending chunk write; retry failed ones once (e.g. after ENOSPC)."""
         if self._retiring:
             await asyncio.gather(*list(self._retiring), return_exceptions=True)
@@ -674,8 +677,6 @@ class AsyncStore:
             errors = [r for r in results if isinstance(r, BaseException)]
             if not errors:
                 continue
-            if not retry:
-                raise errors[0]
             rec = next((r for r in self._head.values() if r.generation == gen), None)
             if rec is None:
                 continue  # superseded meanwhile: nothing to save
@@ -705,7 +706,7 @@ class AsyncStore:
         assert self._commit_lock is not None and self._catalog is not None
         async with self._commit_lock:
             t0 = time.perf_counter()
-            await self._drain_writes(retry=True)
+            await self._drain_writes()
             head = dict(self._head)
             await self._fsync_all()
             version = (self._commits[-1].version + 1) if self._commits else 1
@@ -716,7 +717,7 @@ class AsyncStore:
             referenced = {g for c in kept for g in c.generations.values()}
             new_records = [r for r in head.values() if r.generation not in self._records]
             drop_gens = [g for g in self._records if g not in referenced]
-            await self._run_io(self._catalog.publish, commit, new_records, dropped, drop_gens)
+            await self._run_io(self._publish, commit, new_records, dropped, drop_gens)
             for r in new_records:
                 self._records[r.generation] = r
                 self._writes.pop(r.generation, None)
@@ -731,8 +732,21 @@ class AsyncStore:
             self.tracer.span("commit", "store", t0, time.perf_counter(), version=version)
             return version
 
+    def _publish(self, commit: Commit, new_records: list[GenRecord], dropped: list[int],
+                 drop_gens: list[int]) -> None:
+        assert self._catalog is not None
+        try:
+            self._disk._io_site("catalog", self._catalog.path)
+        except OSError as e:
+            raise DiskError(f"catalog commit failed: {e}") from e
+        self._catalog.publish(commit, new_records, dropped, drop_gens)
+
+    def inject_faults(self, plan: FaultPlan | None) -> None:
+        """Make the disk tier fail chosen I/O calls (tests of error paths); None stops it."""
+        self._disk.faults = plan
+
     async def _fsync_all(self) -> None:
-        paths = sorted(self._unsynced, key=lambda p: -p.count(os.sep))  # files before folders
+        paths = sorted(self._unsynced)
         self._unsynced = set()
         if not paths:
             return
@@ -740,7 +754,6 @@ class AsyncStore:
         groups = [paths[i::n] for i in range(n)]
         try:
             await asyncio.gather(*(self._run_io(self._disk.fsync_paths, g) for g in groups if g))
-            await self._run_io(self._disk.fsync_paths, [self._disk.data_dir])
         except BaseException:
             self._unsynced.update(paths)
             raise

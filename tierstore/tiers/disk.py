@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import crc32c
 
 from tierstore.errors import CorruptData, DiskError
+from tierstore.faults import FaultPlan, pwritev_limited
 from tierstore.keys import generation_relpath, parse_generation_relpath
 from tierstore.layout import ChunkGrid
 
@@ -40,6 +41,12 @@ class DiskTier:
 
     def __init__(self, root: str):
         self.data_dir = os.path.join(os.path.realpath(root), "data")
+        #: fault injection for tests; None in normal use
+        self.faults: FaultPlan | None = None
+
+    def _io_site(self, site: str, path: str) -> None:
+        if self.faults is not None:
+            self.faults.check(site, path)
 
     def generation_dir(self, key: str, generation: int) -> str:
         """The folder of one generation; never outside the data folder."""
@@ -65,6 +72,7 @@ class DiskTier:
                 p = os.path.dirname(p)
             for q in reversed(parts):
                 try:
+                    self._io_site("mkdir", q)
                     os.mkdir(q)
                     created.append(q)
                 except FileExistsError:
@@ -80,6 +88,7 @@ class DiskTier:
         then only has to fsync the new folders.
         """
         try:
+            self._io_site("write", path)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
             raise DiskError(f"cannot create {path}: {e.strerror}") from e
@@ -87,7 +96,10 @@ class DiskTier:
             views = [memoryview(p).cast("B") for p in parts if len(memoryview(p).cast("B"))]
             offset = 0
             while views:
-                n = os.pwritev(fd, views, offset)
+                if self.faults is not None and self.faults.short_writes is not None:
+                    n = pwritev_limited(fd, views, offset, self.faults.short_writes)
+                else:
+                    n = os.pwritev(fd, views, offset)
                 if n == 0:
                     raise DiskError(f"write to {path} made no progress")
                 offset += n
@@ -96,6 +108,7 @@ class DiskTier:
                     views.pop(0)
                 if n:  # a short write: resume inside the first unwritten buffer
                     views[0] = views[0][n:]
+            self._io_site("fsync", path)
             os.fdatasync(fd)
         except OSError as e:
             raise DiskError(f"writing {path} failed: {e.strerror} (errno {e.errno})") from e
@@ -108,6 +121,7 @@ class DiskTier:
         trailer = bytearray(4)
         views = [memoryview(b).cast("B") for b in into] + [memoryview(trailer)]
         try:
+            self._io_site("read", path)
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise CorruptData(f"chunk file of {key!r} chunk {chunk} is missing: {path}",
@@ -151,6 +165,7 @@ class DiskTier:
             except OSError as e:
                 raise DiskError(f"cannot open {p} to fsync: {e.strerror}") from e
             try:
+                self._io_site("fsync", p)
                 os.fsync(fd)
             except OSError as e:
                 raise DiskError(f"fsync of {p} failed: {e.strerror} (errno {e.errno})") from e
@@ -160,6 +175,10 @@ class DiskTier:
     def delete_generation(self, key: str, generation: int) -> None:
         """Remove one generation's folder and its now-empty parents."""
         path = self.generation_dir(key, generation)
+        try:
+            self._io_site("delete", path)
+        except OSError:
+            return  # a folder left behind is an orphan: the next writer open deletes it
         shutil.rmtree(path, ignore_errors=True)
         parent = os.path.dirname(path)
         while parent != self.data_dir and os.path.commonpath([parent, self.data_dir]) == self.data_dir:
