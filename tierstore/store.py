@@ -52,6 +52,7 @@ from tierstore.tiers.host import HostTier
 
 T = TypeVar("T")
 _INLINE_BYTES = 1 << 20  # smaller chunks are coded on the loop thread: a thread hop costs more
+_SYNC_ON_WRITE_BYTES = 1 << 20  # larger files are fdatasync'd by the write-behind itself
 _STORE_ENTRIES = {"LOCK", "catalog", "data"}
 
 Index = slice | int | torch.Tensor | Sequence[int] | None
@@ -88,7 +89,7 @@ class AsyncStore:
         self._reads: dict[tuple[int, int], asyncio.Task[torch.Tensor]] = {}
         self._device_loads: dict[int, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[Any]] = set()
-        self._unsynced: set[str] = set()  # folders created since the last commit
+        self._unsynced: set[str] = set()  # small files and folders written since the last commit
         self._write_sem: asyncio.Semaphore | None = None
         self._read_sem: asyncio.Semaphore | None = None
         self._commit_lock: asyncio.Lock | None = None
@@ -314,10 +315,13 @@ class AsyncStore:
 
     async def _write_file(self, path: str, parts: list[Any], cid: tuple[int, int] | None) -> None:
         assert self._write_sem is not None
+        n = sum(memoryview(p).nbytes for p in parts)
+        sync = n >= _SYNC_ON_WRITE_BYTES
         async with self._write_sem:
             t0 = time.perf_counter()
-            await self._run_io(self._disk.write_file, path, parts)
-        n = sum(memoryview(p).nbytes for p in parts)
+            await self._run_io(self._disk.write_file, path, parts, sync)
+        if not sync:
+            self._unsynced.add(path)
         self.stats_counters.bytes_written_disk += n
         if cid is not None:
             self._host.mark_clean(cid)
@@ -750,10 +754,8 @@ class AsyncStore:
         self._unsynced = set()
         if not paths:
             return
-        n = self.config.io_threads
-        groups = [paths[i::n] for i in range(n)]
         try:
-            await asyncio.gather(*(self._run_io(self._disk.fsync_paths, g) for g in groups if g))
+            await self._run_io(self._disk.sync_paths, paths)
         except BaseException:
             self._unsynced.update(paths)
             raise
