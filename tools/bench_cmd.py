@@ -1,0 +1,10 @@
+"""bench: todo."""
+
+
+def add_arguments(p):
+    """x"""
+
+
+def run(args):
+    """x"""
+    return 2
