@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
                if v is not None and k not in ("command", "quiet", "_module", "model")}
     if args.model is None:
         if options:
-            raise UsageError(f"--model is required with {', '.join('--' + k for k in options)}")
+            raise UsageError("--model is required with " + ", ".join("--" + k.replace("_", "-") for k in options))
         return int(_trainer("trainer.demo", ("main",)).main() or EXIT_OK)
     if not args.data:
         raise UsageError("--data is required with --model")
