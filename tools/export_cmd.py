@@ -25,7 +25,7 @@ from tools.errors import EXIT_OK, UsageError
 from tools.hf_meta import HF_META, read_meta_file
 from tools.shard_writer import write_safetensors
 from tools.sizes import human_bytes, size_arg
-from tools.tensor_stream import CAST_DTYPES
+from tools.tensor_stream import CAST_DTYPES, return_freed_buffers_to_os
 from tools.zarr_writer import write_zarr
 
 #: key prefixes that are training state, not model weights
@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     out = os.path.abspath(args.out)
     partial = _prepare_out(out)
     quiet = getattr(args, "quiet", False)
+    return_freed_buffers_to_os()  # peak memory near one piece, not a heap of freed pieces
     store = tierstore.open(args.store, mode="r", version=args.version,
                            ram_budget=size_arg(args.ram_budget, "--ram-budget"), device_budget=None,
                            device="cpu")

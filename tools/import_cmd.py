@@ -24,6 +24,7 @@ from tools.hf_meta import HF_FILES, put_meta_file
 from tools.safetensors_format import SafetensorsHeader, read_header, read_tensor
 from tools.shard_writer import INDEX_NAME, SINGLE_NAME
 from tools.sizes import human_bytes, size_arg
+from tools.tensor_stream import return_freed_buffers_to_os
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -126,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         tierstore.codecs.get(args.codec)
     except tierstore.StoreError as e:
         raise UsageError(str(e)) from None
+    return_freed_buffers_to_os()  # one tensor at a time should cost one tensor of RSS
     store = tierstore.open(args.store, mode="a", ram_budget=size_arg(args.ram_budget, "--ram-budget"), device_budget=None,
                            device="cpu")
     try:
