@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 import tierstore
+from tools.errors import UsageError
 from tools.safetensors_format import header_bytes
 from tools.tensor_stream import as_bytes, iter_pieces, out_dtype
 
@@ -67,6 +68,8 @@ def write_safetensors(store: tierstore.Store, infos: Sequence[tierstore.TensorIn
                       piece_bytes: int = 64 << 20, quiet: bool = False) -> list[str]:
     """Write ``infos``' tensors into the folder ``out``; return the file names written."""
     by_key = {i.key: i for i in infos}
+    if "__metadata__" in by_key:
+        raise UsageError("key '__metadata__' is reserved by the safetensors header; exclude it")
     sizes = [(i.key, math.prod(i.shape) * out_dtype(i.dtype, cast).itemsize) for i in infos]
     shards = plan_shards(sizes, max_shard_bytes)
     total = sum(n for _, n in sizes)
