@@ -160,3 +160,9 @@ def test_zarr_export_readable_by_zarr(cli, tmp_path, make_store) -> None:
     assert cli("export", path, out32, "--format", "zarr", "--dtype", "fp32")[0] == 0
     got = zarr.open_group(out32, mode="r")["norm"][...]
     assert str(got.dtype) == "float32" and torch.equal(torch.from_numpy(got), tensors["norm"].float())
+
+
+def test_reserved_metadata_key_refused(cli, tmp_path, make_store) -> None:
+    path = make_store(tmp_path / "s", {"__metadata__": torch.ones(2)})
+    code, _, err = cli("export", path, str(tmp_path / "o"), "--format", "safetensors")
+    assert code == 2 and "reserved" in err and not os.path.exists(tmp_path / "o")
