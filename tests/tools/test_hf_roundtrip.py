@@ -128,7 +128,7 @@ def test_gpt2_tied_embeddings(cli, tmp_path) -> None:
     assert torch.equal(_logits(loaded, ids), _logits(model, ids))
 
 
-def test_training_state_excluded_unless_asked(cli, llama, tmp_path, make_store) -> None:
+def test_training_state_excluded_unless_asked(cli, tmp_path, make_store) -> None:
     path = make_store(tmp_path / "s", {"w": torch.ones(4), "opt/exp_avg/w": torch.zeros(4),
                                        "grad/w": torch.zeros(4), "meta/hf/x": torch.zeros(1, dtype=torch.uint8)})
     assert cli("export", path, str(tmp_path / "a"), "--format", "safetensors")[0] == 0
