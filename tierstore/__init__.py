@@ -18,6 +18,7 @@ from tierstore.errors import (
     StoreLocked,
     StoreNotFound,
 )
+from tierstore.keys import validate_key
 from tierstore.records import Commit, TensorInfo
 from tierstore.store import AsyncStore
 from tierstore.sync import Store
@@ -45,4 +46,5 @@ __all__ = [
     "StoreError",
     "StoreLocked",
     "codecs",
+    "validate_key",
 ]

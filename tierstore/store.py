@@ -654,11 +654,17 @@ class AsyncStore:
             "prefetch_errors": self.prefetch_errors, "dirty_chunks": self._host.dirty_count(),
         }
 
-    async def verify(self) -> list[CorruptData]:
-        """Re-read every chunk of the opened version from disk and check it; return the faults."""
+    async def verify(self, keys: Sequence[str] | None = None) -> list[CorruptData]:
+        """Re-read every chunk of the opened version (or of ``keys``) from disk; return the faults.
+
+        ``keys`` lets a caller verify in steps (a progress bar); uncommitted keys are skipped.
+        """
         self._check_open()
         faults: list[CorruptData] = []
         committed = {k: r for k, r in self._head.items() if r.generation in self._committed}
+        if keys is not None:
+            wanted = {k: self._record(k) for k in keys}  # KeyNotFound for an unknown key
+            committed = {k: r for k, r in wanted.items() if k in committed}
         for key, rec in sorted(committed.items()):
             for i, (n, crc) in enumerate(rec.chunks):
                 path = self._disk.chunk_path(key, rec.generation, rec.grid, i)
