@@ -349,7 +349,7 @@ class AsyncStore:
         target = self._target_device(device)
         upcoming = self._predictor.record(key)
         if upcoming:
-            self._prefetch_keys(upcoming, "device" if target is not None else "host", quiet=True)
+            self._prefetch_keys(upcoming, "device" if target is not None else "host")
         t0 = time.perf_counter()
         if target is None:
             out = await self._read(rec, index)
@@ -409,9 +409,7 @@ class AsyncStore:
         shape = rec.shape
         if index is None:
             out = torch.empty(shape, dtype=rec.decoded_dtype)
-            ranges = [(0, out.numel(), 0)]
-            bypass = self._host.budget is not None and rec.stored_nbytes > self._host.budget // 2
-            await self._fill(rec, ranges, out.reshape(-1), bypass)
+            await self._fill(rec, [(0, out.numel(), 0)], out.reshape(-1))
             return out
         if not shape:
             raise InvalidIndex(f"{rec.key!r} is 0-d: it has no dim 0 to index")
@@ -425,14 +423,14 @@ class AsyncStore:
                 raise InvalidIndex(f"slices of {rec.key!r} need step 1, got {index.step}")
             stop = max(start, stop)
             out = torch.empty((stop - start, *shape[1:]), dtype=rec.decoded_dtype)
-            await self._fill(rec, [(start * row_numel, stop * row_numel, 0)], out.reshape(-1), False)
+            await self._fill(rec, [(start * row_numel, stop * row_numel, 0)], out.reshape(-1))
             return out
         idx = self._row_index(rec, index, rows)
         scalar = isinstance(index, int) or (isinstance(index, torch.Tensor) and index.dim() == 0)
         uniq, inverse = torch.unique(idx, return_inverse=True)
         tmp = torch.empty((len(uniq), *shape[1:]), dtype=rec.decoded_dtype)
         ranges = [(r * row_numel, (r + 1) * row_numel, j * row_numel) for j, r in enumerate(uniq.tolist())]
-        await self._fill(rec, ranges, tmp.reshape(-1), False)
+        await self._fill(rec, ranges, tmp.reshape(-1))
         out = tmp if len(uniq) == len(idx) and torch.equal(uniq, idx) else tmp[inverse]
         return out[0] if scalar else out
 
@@ -451,13 +449,21 @@ class AsyncStore:
             raise InvalidIndex(f"row index out of range for {rec.key!r} with {rows} rows")
         return torch.where(idx < 0, idx + rows, idx)
 
-    async def _fill(self, rec: GenRecord, ranges: list[tuple[int, int, int]], dest: torch.Tensor,
-                    bypass: bool) -> None:
-        """Copy flat source ranges of ``rec`` into ``dest``, chunk by chunk, in parallel."""
+    async def _fill(self, rec: GenRecord, ranges: list[tuple[int, int, int]], dest: torch.Tensor) -> None:
+        """Copy flat source ranges of ``rec`` into ``dest``, chunk by chunk, in parallel.
+
+        A raw chunk that is not in RAM and feeds one run of ``dest`` is read straight into it:
+        caching it as well would cost a second copy on the read path (measured: 20-30% of a
+        cold read here). The RAM tier is filled by puts and prefetches (hinted or predicted),
+        and by chunks that must be decoded or gathered from, unless the tensor is larger than
+        half the budget (scan resistance).
+        """
         by_chunk = pieces_by_chunk(rec.grid, ranges)
         if not by_chunk:
             return
         codec = rec.codec_obj
+        budget = self._host.budget
+        cache = "no" if budget is not None and rec.stored_nbytes > budget // 2 else "yes"
         t0 = time.perf_counter()
         missed = [False]
 
@@ -468,10 +474,10 @@ class AsyncStore:
                 self.stats_counters.hits_host += 1
             else:
                 missed[0] = True
-                if bypass and codec.raw_layout and len(pieces) == 1 and self._reads.get(cid) is None:
+                if codec.raw_layout and len(pieces) == 1 and self._reads.get(cid) is None:
                     await self._read_direct(rec, i, pieces[0], dest)
                     return
-                payload = await self._load_chunk(rec, i, cache="no" if bypass else "yes")
+                payload = await self._load_chunk(rec, i, cache=cache)
             await self._run_cpu(payload.numel(), decode_into, codec, rec.grid, rec.torch_dtype,
                                 payload, pieces, dest)
 
@@ -481,7 +487,7 @@ class AsyncStore:
 
     async def _read_direct(self, rec: GenRecord, i: int, piece: tuple[int, int, int],
                            dest: torch.Tensor) -> None:
-        """Read a raw chunk straight into the destination (no RAM-tier copy), for huge tensors."""
+        """Read a raw chunk straight into the destination (no RAM-tier copy)."""
         lo, hi, off = piece
         n, crc = rec.chunks[i]
         item = dest.element_size()
@@ -541,8 +547,11 @@ class AsyncStore:
 
     # ---------------------------------------------------------------- prefetch
 
-    async def prefetch(self, keys: Sequence[str], to: str = "host") -> None:
-        """Start loading ``keys`` into the RAM tier (``to="host"``) or the device window."""
+    async def prefetch(self, keys: Sequence[str], to: str = "host", wait: bool = False) -> None:
+        """Start loading ``keys`` into the RAM tier (``to="host"``) or the device window.
+
+        With ``wait=True`` return once the loads are done (warming a cache on purpose).
+        """
         self._check_open()
         if to not in ("host", "device"):
             raise StoreError(f"prefetch to= must be 'host' or 'device', got {to!r}")
@@ -550,22 +559,30 @@ class AsyncStore:
             keys = [keys]
         for k in keys:
             self._record(k)
-        self._prefetch_keys(list(keys), to, quiet=False)
+        tasks = self._prefetch_keys(list(keys), to)
+        if wait:
+            await asyncio.gather(*tasks)
 
-    def _prefetch_keys(self, keys: list[str], to: str, quiet: bool) -> None:
+    def _prefetch_keys(self, keys: list[str], to: str) -> list[asyncio.Task[Any]]:
+        tasks: list[asyncio.Task[Any]] = []
         for k in keys:
             rec = self._head.get(k)
             if rec is None:
                 continue
             if to == "device":
                 gen = rec.generation
-                if gen in self._device_loads or self._window.lookup(gen) is not None:
+                if gen in self._device_loads:
+                    tasks.append(self._device_loads[gen])
+                    continue
+                if self._window.lookup(gen) is not None:
                     continue
                 task = self._spawn(self._prefetch_device(rec))
                 self._device_loads[gen] = task
                 task.add_done_callback(lambda _t, g=gen: self._device_loads.pop(g, None))
             else:
-                self._spawn(self._prefetch_host(rec))
+                task = self._spawn(self._prefetch_host(rec))
+            tasks.append(task)
+        return tasks
 
     async def _prefetch_host(self, rec: GenRecord) -> None:
         try:

@@ -68,9 +68,9 @@ class Store:
         self._a._window.wait_ready(t)
         return t
 
-    def prefetch(self, keys: Sequence[str] | str, to: str = "host") -> None:
-        """Hint that ``keys`` will be read soon; loading starts in the background."""
-        self._loop.run(self._a.prefetch(keys, to=to))  # type: ignore[arg-type]
+    def prefetch(self, keys: Sequence[str] | str, to: str = "host", wait: bool = False) -> None:
+        """Hint that ``keys`` will be read soon; loading starts in the background (``wait``: finish)."""
+        self._loop.run(self._a.prefetch(keys, to=to, wait=wait))  # type: ignore[arg-type]
 
     def mark_step(self) -> None:
         """Close a step of the access trace (the predictor learns the order)."""

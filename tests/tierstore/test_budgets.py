@@ -78,3 +78,17 @@ def test_predictor_learns_a_repeated_order(tmp_path) -> None:
         # after the first step every read but the first of each step was announced in advance
         assert acc is not None and acc >= (len(keys) - 1) / len(keys) - 1e-9
         assert s.stats()["prefetched_chunks"] >= 0
+
+
+def test_prefetch_wait_fills_the_ram_tier(tmp_path) -> None:
+    with tierstore.open(tmp_path, ram_budget="1MiB", chunk_bytes="16KiB") as s:
+        s.put("a", torch.randn(8192))
+        s.commit()
+    with tierstore.open(tmp_path, mode="r", ram_budget="1MiB", chunk_bytes="16KiB") as r:
+        r.get("a")
+        assert "host" not in r.info("a").tiers  # a raw get reads straight into its result
+        r.prefetch(["a"], to="host", wait=True)
+        assert "host" in r.info("a").tiers
+        reads = r.stats()["reads_disk"]
+        r.get("a")
+        assert r.stats()["reads_disk"] == reads and r.stats()["hits_host"] > 0
