@@ -1,21 +1,38 @@
 """tierstore: an async tiered tensor database (NVMe chunks, RAM cache, VRAM window)."""
 
 from tierstore import codecs
+from tierstore.api import open, open_async
+from tierstore.config import StoreConfig, parse_size
+from tierstore.records import Commit, TensorInfo
+from tierstore.store import AsyncStore
+from tierstore.sync import Store
 from tierstore.errors import (
     BudgetError,
     CodecError,
     CorruptData,
     DiskError,
     FormatVersionError,
+    InvalidIndex,
     InvalidKey,
     KeyNotFound,
     ReadOnlyError,
     StoreClosed,
     StoreError,
     StoreLocked,
+    StoreNotFound,
 )
 
 __all__ = [
+    "AsyncStore",
+    "Commit",
+    "InvalidIndex",
+    "Store",
+    "StoreConfig",
+    "StoreNotFound",
+    "TensorInfo",
+    "open",
+    "open_async",
+    "parse_size",
     "BudgetError",
     "CodecError",
     "CorruptData",

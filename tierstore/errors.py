@@ -50,3 +50,11 @@ class StoreClosed(StoreError):
 
 class DiskError(StoreError, OSError):
     """An I/O call failed (EIO, ENOSPC, ...); the last commit is untouched."""
+
+
+class StoreNotFound(StoreError, FileNotFoundError):
+    """No store exists at the path (mode="r"), or the requested version is not retained."""
+
+
+class InvalidIndex(StoreError, IndexError):
+    """A get index (slice or rows) does not fit the tensor's dim 0."""

@@ -1,0 +1,154 @@
+"""The LMDB catalog: generation records, commits and the format version.
+
+Threading: LMDB environments are shared per process through ``_ENVIRONMENTS`` (the explicit
+registry): opening one environment twice in a process breaks its POSIX locks (py-lmdb docs).
+All catalog calls are short and run on the store's event loop thread; a commit is exactly one
+write transaction, synced to disk before it returns.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections.abc import Iterable
+
+import lmdb
+
+from tierstore.errors import CorruptData, FormatVersionError, StoreError, StoreNotFound
+from tierstore.records import Commit, GenRecord
+
+FORMAT_VERSION = 1
+_MAP_SIZE = 1 << 36  # address space only; the file grows as data is written
+
+_ENVIRONMENTS: dict[str, tuple[lmdb.Environment, int]] = {}
+_ENV_LOCK = threading.Lock()
+
+
+def _u64(n: int) -> bytes:
+    return struct.pack(">Q", n)
+
+
+def _from_u64(b: bytes) -> int:
+    return struct.unpack(">Q", b)[0]
+
+
+def _acquire_env(path: str, create: bool) -> lmdb.Environment:
+    real = os.path.realpath(path)
+    with _ENV_LOCK:
+        if real in _ENVIRONMENTS:
+            env, refs = _ENVIRONMENTS[real]
+            _ENVIRONMENTS[real] = (env, refs + 1)
+            return env
+        if not create and not os.path.exists(os.path.join(real, "data.mdb")):
+            raise StoreNotFound(f"no tierstore catalog at {path}")
+        try:
+            env = lmdb.open(real, map_size=_MAP_SIZE, max_dbs=4, subdir=True, create=create,
+                            sync=True, metasync=True, readahead=False, max_readers=256)
+        except lmdb.Error as e:
+            raise StoreError(f"cannot open the catalog at {path}: {e}") from None
+        _ENVIRONMENTS[real] = (env, 1)
+        return env
+
+
+def _release_env(path: str) -> None:
+    real = os.path.realpath(path)
+    with _ENV_LOCK:
+        env, refs = _ENVIRONMENTS[real]
+        if refs > 1:
+            _ENVIRONMENTS[real] = (env, refs - 1)
+        else:
+            del _ENVIRONMENTS[real]
+            env.close()
+
+
+class Catalog:
+    """Generation records, commits and store metadata in one LMDB environment."""
+
+    def __init__(self, path: str, create: bool):
+        self.path = path
+        self._env = _acquire_env(path, create)
+        try:
+            self._meta = self._env.open_db(b"meta", create=create)
+            self._gens = self._env.open_db(b"generations", create=create)
+            self._commits = self._env.open_db(b"commits", create=create)
+        except lmdb.Error as e:
+            _release_env(path)
+            raise StoreNotFound(f"{path} is not a tierstore catalog: {e}") from None
+        if create:
+            with self._env.begin(write=True) as txn:
+                if txn.get(b"format_version", db=self._meta) is None:
+                    txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=self._meta)
+        self._check_format()
+
+    def _check_format(self) -> None:
+        with self._env.begin() as txn:
+            raw = txn.get(b"format_version", db=self._meta)
+        if raw is None:
+            _release_env(self.path)
+            raise StoreNotFound(f"{self.path} has no format version: not a tierstore catalog")
+        try:
+            version = int(bytes(raw))
+        except ValueError:
+            _release_env(self.path)
+            raise CorruptData(f"unreadable format version {bytes(raw)!r} in {self.path}") from None
+        if version > FORMAT_VERSION:
+            _release_env(self.path)
+            raise FormatVersionError(
+                f"store format {version} is newer than this tierstore reads ({FORMAT_VERSION}); "
+                "upgrade tierstore"
+            )
+
+    def close(self) -> None:
+        """Release this opener's reference to the environment."""
+        if self._env is not None:
+            _release_env(self.path)
+            self._env = None  # type: ignore[assignment]
+
+    def set_format_version(self, version: int) -> None:
+        """Overwrite the stored format version (tests of version checks use this)."""
+        with self._env.begin(write=True) as txn:
+            txn.put(b"format_version", str(version).encode(), db=self._meta)
+
+    def commits(self) -> list[Commit]:
+        """Every retained commit, oldest first."""
+        with self._env.begin() as txn:
+            return [Commit.from_json(v) for _, v in txn.cursor(db=self._commits)]
+
+    def commit(self, version: int) -> Commit:
+        """One commit by version id."""
+        with self._env.begin() as txn:
+            raw = txn.get(_u64(version), db=self._commits)
+        if raw is None:
+            raise StoreNotFound(f"version {version} is not retained in this store")
+        return Commit.from_json(raw)
+
+    def records(self, generations: Iterable[int]) -> dict[int, GenRecord]:
+        """Generation records by id; CorruptData if a commit names a missing record."""
+        out: dict[int, GenRecord] = {}
+        with self._env.begin() as txn:
+            for g in generations:
+                raw = txn.get(_u64(g), db=self._gens)
+                if raw is None:
+                    raise CorruptData(f"the catalog lacks the record of generation {g}")
+                out[g] = GenRecord.from_json(raw)
+        return out
+
+    def generation_ids(self) -> set[int]:
+        """Ids of every generation with a record."""
+        with self._env.begin() as txn:
+            return {_from_u64(k) for k in txn.cursor(db=self._gens).iternext(values=False)}
+
+    def publish(self, commit: Commit, new_records: Iterable[GenRecord],
+                drop_commits: Iterable[int], drop_generations: Iterable[int]) -> None:
+        """Write a commit, its new records and the retention drops in one durable transaction."""
+        with self._env.begin(write=True) as txn:
+            for rec in new_records:
+                txn.put(_u64(rec.generation), rec.to_json(), db=self._gens)
+            txn.put(_u64(commit.version), commit.to_json(), db=self._commits)
+            for v in drop_commits:
+                txn.delete(_u64(v), db=self._commits)
+            for g in drop_generations:
+                txn.delete(_u64(g), db=self._gens)
+        # sync=True makes the commit durable; an explicit sync covers filesystems that lie less
+        self._env.sync(True)

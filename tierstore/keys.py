@@ -1,0 +1,53 @@
+"""Key rules, and the only place where a key becomes a relative file-system path."""
+
+from __future__ import annotations
+
+import re
+
+from tierstore.errors import InvalidKey
+
+MAX_KEY_BYTES = 512
+_ALLOWED = re.compile(r"[A-Za-z0-9._/-]+")
+_BAD_CHAR = re.compile(r"[^A-Za-z0-9._/-]")
+
+
+def validate_key(key: object) -> str:
+    """Return ``key`` if it obeys the key rules, else raise InvalidKey saying which rule broke."""
+    if not isinstance(key, str):
+        raise InvalidKey(f"a key is a str, got {type(key).__name__}")
+    if not key:
+        raise InvalidKey("the key is empty")
+    if len(key.encode("utf-8")) > MAX_KEY_BYTES:
+        raise InvalidKey(f"key is {len(key.encode())} bytes long; the limit is {MAX_KEY_BYTES}")
+    if not _ALLOWED.fullmatch(key):
+        bad = _BAD_CHAR.search(key)
+        assert bad is not None
+        raise InvalidKey(
+            f"key {key[:80]!r} holds {bad.group()!r} at {bad.start()}; allowed: A-Z a-z 0-9 . _ / -"
+        )
+    for seg in key.split("/"):
+        if seg == "":
+            raise InvalidKey(f"key {key!r} has an empty segment (leading, trailing or double '/')")
+        if seg in (".", ".."):
+            raise InvalidKey(f"key {key!r} has a {seg!r} segment")
+    return key
+
+
+def generation_relpath(key: str, generation: int) -> str:
+    """The folder of one generation of ``key``, relative to the data root.
+
+    ``@`` is not a key character, so ``a@3`` can never collide with another key's folder.
+    """
+    validate_key(key)
+    return f"{key}@{generation}"
+
+
+def parse_generation_relpath(relpath: str) -> tuple[str, int] | None:
+    """The (key, generation) of a generation folder's relative path, None if it is not one."""
+    key, sep, gen = relpath.rpartition("@")
+    if not sep or not gen.isdigit():
+        return None
+    try:
+        return validate_key(key), int(gen)
+    except InvalidKey:
+        return None

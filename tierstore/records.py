@@ -1,0 +1,132 @@
+"""Value types: catalog records (what a tensor generation and a commit are) and public infos."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import torch
+
+from tierstore.codecs import Codec, from_spec
+from tierstore.dtypes import dtype_name, torch_dtype
+from tierstore.errors import CorruptData
+from tierstore.layout import ChunkGrid
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GenRecord:
+    """One immutable generation of a tensor: what it is and where its chunks are."""
+
+    key: str
+    generation: int
+    dtype: str
+    codec: dict[str, Any]
+    grid: ChunkGrid
+    #: per chunk: (stored payload bytes without the crc trailer, crc32c of the payload)
+    chunks: tuple[tuple[int, int], ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The tensor's shape."""
+        return self.grid.shape
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype the tensor was put with."""
+        return torch_dtype(self.dtype)
+
+    @property
+    def decoded_dtype(self) -> torch.dtype:
+        """The dtype ``get`` returns."""
+        return self.codec_obj.decoded_dtype(self.torch_dtype)
+
+    @property
+    def codec_obj(self) -> Codec:
+        """The codec instance."""
+        return from_spec(self.codec)
+
+    @property
+    def nbytes(self) -> int:
+        """Logical bytes of the decoded tensor."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.decoded_dtype.itemsize
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes on disk: payloads (scales included) plus the 4-byte crc32c trailers."""
+        return sum(n for n, _ in self.chunks) + 4 * len(self.chunks)
+
+    def to_json(self) -> bytes:
+        """Catalog form."""
+        return json.dumps({
+            "key": self.key, "generation": self.generation, "dtype": self.dtype,
+            "codec": self.codec, "grid": self.grid.to_json(), "chunks": self.chunks,
+        }).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> GenRecord:
+        """Parse a catalog record; CorruptData if it is malformed."""
+        try:
+            d = json.loads(raw)
+            return cls(
+                key=str(d["key"]), generation=int(d["generation"]), dtype=str(d["dtype"]),
+                codec=dict(d["codec"]), grid=ChunkGrid.from_json(d["grid"]),
+                chunks=tuple((int(n), int(c)) for n, c in d["chunks"]),
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptData(f"malformed generation record in the catalog: {e}") from None
+
+    @staticmethod
+    def new(key: str, generation: int, dtype: torch.dtype, codec: Codec, grid: ChunkGrid,
+            chunks: list[tuple[int, int]]) -> GenRecord:
+        """A record for a freshly put tensor."""
+        return GenRecord(key, generation, dtype_name(dtype), codec.spec(), grid, tuple(chunks))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """What ``Store.info`` reports about a tensor."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    codec: dict[str, Any]
+    nbytes: int
+    stored_nbytes: int
+    #: tiers holding some of the tensor now: a subset of ("device", "host", "disk")
+    tiers: tuple[str, ...]
+    generation: int
+    chunks: int
+    #: True when this generation is not in any commit yet
+    uncommitted: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Commit:
+    """A durable, named version of the store."""
+
+    version: int
+    step: int | None
+    time: float
+    message: str
+    #: key -> generation
+    generations: dict[str, int] = dataclasses.field(repr=False, compare=False)
+
+    def to_json(self) -> bytes:
+        """Catalog form."""
+        return json.dumps({"version": self.version, "step": self.step, "time": self.time,
+                           "message": self.message, "generations": self.generations}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Commit:
+        """Parse a catalog record; CorruptData if it is malformed."""
+        try:
+            d = json.loads(raw)
+            step = d["step"]
+            return cls(int(d["version"]), None if step is None else int(step), float(d["time"]),
+                       str(d["message"]), {str(k): int(v) for k, v in d["generations"].items()})
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CorruptData(f"malformed commit record in the catalog: {e}") from None

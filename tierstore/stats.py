@@ -1,0 +1,59 @@
+"""Counters of an open store, and trace events exportable as Chrome trace JSON (Perfetto)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from typing import Any
+
+_MAX_EVENTS = 200_000
+
+
+@dataclasses.dataclass(slots=True)
+class Counters:
+    """Counters since open; ``Store.stats()`` reports them with the tiers' peaks."""
+
+    hits_device: int = 0
+    hits_host: int = 0
+    reads_disk: int = 0
+    bytes_read_disk: int = 0
+    bytes_written_disk: int = 0
+    bytes_h2d: int = 0
+    bytes_d2h: int = 0
+    stall_s: float = 0.0
+    puts: int = 0
+    gets: int = 0
+    commits: int = 0
+    prefetched_chunks: int = 0
+
+
+class Tracer:
+    """Collects complete-span events (``ph: X``) from any thread, up to a cap."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._t0 = time.perf_counter()
+
+    def span(self, name: str, cat: str, start: float, end: float, **args: Any) -> None:
+        """Record a span that ran from ``start`` to ``end`` (perf_counter seconds)."""
+        if not self.enabled:
+            return
+        ev = {"name": name, "cat": cat, "ph": "X", "ts": (start - self._t0) * 1e6,
+              "dur": (end - start) * 1e6, "pid": 0, "tid": threading.current_thread().name,
+              "args": args}
+        with self._lock:
+            if len(self._events) < _MAX_EVENTS:
+                self._events.append(ev)
+
+    def events(self) -> list[dict[str, Any]]:
+        """A copy of the recorded events."""
+        with self._lock:
+            return list(self._events)
+
+    def chrome_trace(self) -> str:
+        """The events as Chrome trace JSON (open in Perfetto or chrome://tracing)."""
+        return json.dumps({"traceEvents": self.events(), "displayTimeUnit": "ms"})

@@ -1,0 +1,729 @@
+"""AsyncStore: the tiered tensor store, as coroutines on one event loop.
+
+Threads and ownership:
+- the event loop thread owns the head map, the RAM tier, the device window's LRU and every
+  asyncio primitive; all methods of this class run there;
+- ``tierstore-io`` threads run blocking disk calls (pread/pwrite/fsync, the LMDB commit);
+- ``tierstore-cpu`` threads run codec work and large copies (torch releases the GIL).
+A put is *copied* when it returns (the caller may reuse its tensor) and *committed* when a later
+``commit`` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+import numpy as np
+import torch
+
+from tierstore.catalog import Catalog
+from tierstore.chunks import decode_into, encode_chunk, pieces_by_chunk
+from tierstore.codecs import Codec, resolve
+from tierstore.config import StoreConfig
+from tierstore.dtypes import dtype_name
+from tierstore.errors import (
+    BudgetError,
+    InvalidIndex,
+    KeyNotFound,
+    ReadOnlyError,
+    StoreClosed,
+    StoreError,
+    StoreLocked,
+    StoreNotFound,
+)
+from tierstore.keys import validate_key
+from tierstore.layout import ChunkGrid, zarr_metadata
+from tierstore.prefetch import AccessPredictor
+from tierstore.records import Commit, GenRecord, TensorInfo
+from tierstore.stats import Counters, Tracer
+from tierstore.tiers.device import DeviceWindow
+from tierstore.tiers.disk import DiskTier, crc_trailer
+from tierstore.tiers.host import HostTier
+
+T = TypeVar("T")
+_INLINE_BYTES = 1 << 20  # smaller chunks are coded on the loop thread: a thread hop costs more
+_STORE_ENTRIES = {"LOCK", "catalog", "data"}
+
+Index = slice | int | torch.Tensor | Sequence[int] | None
+
+
+class AsyncStore:
+    """A tiered tensor store; use ``tierstore.open_async`` to get one."""
+
+    def __init__(self, path: str, mode: str, config: StoreConfig):
+        self.path = os.path.realpath(path)
+        self.mode = mode
+        self.config = config
+        self.readonly = mode == "r"
+        self.stats_counters = Counters()
+        self.tracer = Tracer()
+        self._catalog: Catalog | None = None
+        self._lock_fd: int | None = None
+        self._disk = DiskTier(self.path, config.o_direct)
+        pin = torch.cuda.is_available() and config.device is not None and config.device.type == "cuda"
+        self._host = HostTier(config.ram_budget, pin=pin)
+        self._host.explain_stuck = self._explain_stuck
+        assert config.device is not None
+        self._window = DeviceWindow(config.device, config.device_budget)
+        self._predictor = AccessPredictor(config.prefetch_ahead)
+        self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierstore-io")
+        self._cpu = ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="tierstore-cpu")
+        self._head: dict[str, GenRecord] = {}
+        self._records: dict[int, GenRecord] = {}  # every generation with a catalog record
+        self._committed: set[int] = set()  # generations referenced by retained commits
+        self._commits: list[Commit] = []
+        self._next_gen = 1
+        self._writes: dict[int, list[asyncio.Task[None]]] = {}
+        self._retiring: set[asyncio.Task[None]] = set()
+        self._reads: dict[tuple[int, int], asyncio.Task[torch.Tensor]] = {}
+        self._device_loads: dict[int, asyncio.Task[None]] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._unsynced: set[str] = set()
+        self._write_sem: asyncio.Semaphore | None = None
+        self._read_sem: asyncio.Semaphore | None = None
+        self._commit_lock: asyncio.Lock | None = None
+        self._closed = False
+        self.prefetch_errors = 0
+
+    # ---------------------------------------------------------------- open / close
+
+    @classmethod
+    async def open(cls, path: str | os.PathLike[str], mode: str, config: StoreConfig,
+                   version: int | None = None) -> AsyncStore:
+        """Open or create the store at ``path``; see ``tierstore.open`` for the arguments."""
+        if mode not in ("r", "a", "w"):
+            raise StoreError(f"mode must be 'r', 'a' or 'w', got {mode!r}")
+        if version is not None and mode != "r":
+            raise StoreError("version= opens a past commit read-only: use mode='r'")
+        self = cls(os.fspath(path), mode, config)
+        self._write_sem = asyncio.Semaphore(config.io_depth)
+        self._read_sem = asyncio.Semaphore(config.io_threads * 2)
+        self._commit_lock = asyncio.Lock()
+        try:
+            await self._run_io(self._open_files)
+            self._load_head(version)
+        except BaseException:
+            self._release_files()
+            self._io.shutdown(wait=False)
+            self._cpu.shutdown(wait=False)
+            raise
+        return self
+
+    def _open_files(self) -> None:
+        root = self.path
+        if self.readonly:
+            if not os.path.isdir(os.path.join(root, "catalog")):
+                raise StoreNotFound(f"no tierstore at {root}")
+        else:
+            os.makedirs(root, exist_ok=True)
+            self._lock_fd = os.open(os.path.join(root, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+                raise StoreLocked(f"another process writes to {root} (its LOCK is held); "
+                                  "open with mode='r' to read") from None
+            if self.mode == "w":
+                others = set(os.listdir(root)) - _STORE_ENTRIES
+                if others and os.path.isdir(os.path.join(root, "catalog")) is False:
+                    raise StoreError(f"mode='w' refuses to wipe {root}: it is not a tierstore "
+                                     f"(holds {sorted(others)[:5]})")
+                for sub in ("catalog", "data"):
+                    shutil.rmtree(os.path.join(root, sub), ignore_errors=True)
+            os.makedirs(os.path.join(root, "data"), exist_ok=True)
+        self._catalog = Catalog(os.path.join(root, "catalog"), create=not self.readonly)
+
+    def _load_head(self, version: int | None) -> None:
+        assert self._catalog is not None
+        self._commits = self._catalog.commits()
+        if version is not None:
+            head = self._catalog.commit(version)
+        else:
+            head = self._commits[-1] if self._commits else None
+        gens = head.generations if head is not None else {}
+        if self.readonly:
+            recs = self._catalog.records(gens.values())
+        else:
+            recs = self._catalog.records(self._catalog.generation_ids())
+            self._records = dict(recs)
+            self._delete_orphans()
+        self._head = {k: recs[g] for k, g in gens.items()}
+        self._committed = {g for c in self._commits for g in c.generations.values()}
+        known = [*recs, *(g for _, g in self._disk.scan_generations())]
+        self._next_gen = max(known, default=0) + 1
+
+    def _delete_orphans(self) -> None:
+        """Delete generation folders no catalog record names (writes after the last commit)."""
+        for key, gen in self._disk.scan_generations():
+            if gen not in self._records:
+                self._disk.delete_generation(key, gen)
+
+    def _release_files(self) -> None:
+        if self._catalog is not None:
+            self._catalog.close()
+            self._catalog = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = None
+
+    async def close(self, commit: bool = True) -> None:
+        """Commit pending changes (unless ``commit=False`` or read-only), then release everything."""
+        if self._closed:
+            return
+        try:
+            if commit and not self.readonly and self._has_changes():
+                await self.commit(message="close")
+            else:
+                await self._drain_writes(retry=False)
+        finally:
+            for t in list(self._background):
+                t.cancel()
+            self._closed = True
+            self._window.clear()
+            self._release_files()
+            self._io.shutdown(wait=True)
+            self._cpu.shutdown(wait=True)
+
+    def _has_changes(self) -> bool:
+        last = self._commits[-1].generations if self._commits else {}
+        return {k: r.generation for k, r in self._head.items()} != last
+
+    # ---------------------------------------------------------------- helpers
+
+    async def _run_io(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    async def _run_cpu(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
+        if nbytes < _INLINE_BYTES:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"the store at {self.path} is closed")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self.readonly:
+            raise ReadOnlyError(f"the store at {self.path} is open read-only (mode='r')")
+
+    def _record(self, key: str) -> GenRecord:
+        self._check_open()
+        validate_key(key)
+        try:
+            return self._head[key]
+        except KeyError:
+            raise KeyNotFound(f"no tensor under key {key!r}") from None
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def _explain_stuck(self) -> str | None:
+        pending = sum(not t.done() for ts in self._writes.values() for t in ts)
+        if pending or self._reads:
+            return None
+        failed = [t.exception() for ts in self._writes.values() for t in ts
+                  if t.done() and not t.cancelled() and t.exception() is not None]
+        if failed:
+            return f"{len(failed)} chunk writes failed; last error: {failed[-1]}"
+        if self._host.dirty_count():
+            return f"{self._host.dirty_count()} chunks wait to be written"
+        return None
+
+    # ---------------------------------------------------------------- put
+
+    async def put(self, key: str, tensor: torch.Tensor, codec: str | dict[str, Any] | Codec = "raw") -> None:
+        """Store ``tensor`` under ``key`` as a new generation; returns once the bytes are copied."""
+        self._check_writable()
+        validate_key(key)
+        if not isinstance(tensor, torch.Tensor):
+            raise StoreError(f"put({key!r}) needs a torch.Tensor, got {type(tensor).__name__}")
+        codec_obj = resolve(codec)
+        dtype_name(tensor.dtype)
+        codec_obj.check_dtype(tensor.dtype)
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+            self.stats_counters.bytes_d2h += t.numel() * t.element_size()
+        t = t.contiguous()
+        assert self.config.chunk_bytes is not None
+        grid = ChunkGrid.plan(tuple(t.shape), t.element_size(), self.config.chunk_bytes)
+        gen = self._next_gen
+        self._next_gen += 1
+        t0 = time.perf_counter()
+        try:
+            rec = await self._write_generation(key, gen, t, codec_obj, grid)
+        except BaseException:
+            self._retire_soon(key, gen, grid.n_chunks)
+            raise
+        assert self._commit_lock is not None
+        async with self._commit_lock:  # a commit in progress owns the head
+            old = self._head.get(key)
+            self._head[key] = rec
+            if old is not None and old.generation not in self._committed:
+                self._retire_soon(old.key, old.generation, old.grid.n_chunks)
+        self.stats_counters.puts += 1
+        self.tracer.span("put", "store", t0, time.perf_counter(), key=key, bytes=rec.nbytes)
+
+    async def _write_generation(self, key: str, gen: int, t: torch.Tensor, codec: Codec,
+                                grid: ChunkGrid) -> GenRecord:
+        created = await self._run_io(self._disk.make_dirs, key, gen, grid, range(grid.n_chunks))
+        self._unsynced.update(created)
+        self._unsynced.update(os.path.dirname(c) for c in created)
+        meta = zarr_metadata(grid, t.dtype, codec, {"key": key, "generation": gen})
+        meta_path = os.path.join(self._disk.generation_dir(key, gen), "zarr.json")
+        tasks = self._writes.setdefault(gen, [])
+        tasks.append(self._spawn(self._write_file(meta_path, [meta], None)))
+        flat = t.reshape(-1)
+        chunks: list[tuple[int, int]] = []
+        raw_bytes = grid.chunk_numel * t.element_size()
+        for i in range(grid.n_chunks):
+            if codec.raw_layout:
+                await self._host.reserve(raw_bytes)
+                buf = self._host.allocate(raw_bytes)
+                try:
+                    payload, crc = await self._run_cpu(raw_bytes, encode_chunk, codec, flat, grid, i, buf)
+                except BaseException:
+                    self._host.release(raw_bytes)
+                    raise
+            else:
+                payload, crc = await self._run_cpu(raw_bytes, encode_chunk, codec, flat, grid, i, None)
+                await self._host.reserve(payload.numel())
+            self._host.insert((gen, i), payload, dirty=True)
+            chunks.append((payload.numel(), crc))
+            path = self._disk.chunk_path(key, gen, grid, i)
+            tasks.append(self._spawn(
+                self._write_file(path, [payload.numpy(), crc_trailer(crc)], (gen, i))))
+        rec = GenRecord.new(key, gen, t.dtype, codec, grid, chunks)
+        return rec
+
+    async def _write_file(self, path: str, parts: list[Any], cid: tuple[int, int] | None) -> None:
+        assert self._write_sem is not None
+        async with self._write_sem:
+            t0 = time.perf_counter()
+            await self._run_io(self._disk.write_file, path, parts)
+        n = sum(memoryview(p).nbytes for p in parts)
+        self.stats_counters.bytes_written_disk += n
+        self._unsynced.add(path)
+        if cid is not None:
+            self._host.mark_clean(cid)
+        self.tracer.span("write", "disk", t0, time.perf_counter(), bytes=n)
+
+    def _retire_soon(self, key: str, gen: int, n_chunks: int) -> None:
+        """Forget an uncommitted generation: once its writes settle, drop its RAM and files."""
+        task = self._spawn(self._retire(key, gen, n_chunks))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _retire(self, key: str, gen: int, n_chunks: int) -> None:
+        tasks = self._writes.pop(gen, [])
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._host.drop_generation(gen, n_chunks)
+        self._window.forget(gen)
+        await self._run_io(self._disk.delete_generation, key, gen)
+
+    # ---------------------------------------------------------------- get
+
+    async def get(self, key: str, device: str | torch.device | None = None, index: Index = None) -> torch.Tensor:
+        """The newest value of ``key``: on the host, or in the device window with ``device=``."""
+        rec = self._record(key)
+        self.stats_counters.gets += 1
+        target = self._target_device(device)
+        upcoming = self._predictor.record(key)
+        if upcoming:
+            self._prefetch_keys(upcoming, "device" if target is not None else "host", quiet=True)
+        t0 = time.perf_counter()
+        if target is None:
+            out = await self._read(rec, index)
+        elif index is None:
+            out = await self._load_to_device(rec, wait=True)
+        else:
+            part = await self._read(rec, index)
+            out = await self._admit(None, part, wait=True)
+        self.tracer.span("get", "store", t0, time.perf_counter(), key=key)
+        return out
+
+    def _target_device(self, device: str | torch.device | None) -> torch.device | None:
+        if device is None:
+            return None
+        dev = torch.device(device)
+        win = self._window.device
+        if dev.type == "cpu" and win.type != "cpu":
+            return None  # a host read
+        if dev.type != win.type or (dev.index is not None and win.index is not None and dev.index != win.index):
+            raise StoreError(f"device {dev} is not this store's device window ({win}); "
+                             "open the store with device=...")
+        return dev
+
+    async def _load_to_device(self, rec: GenRecord, wait: bool) -> torch.Tensor:
+        gen = rec.generation
+        hit = self._window.lookup(gen)
+        if hit is not None:
+            self.stats_counters.hits_device += 1
+            return hit
+        pending = self._device_loads.get(gen)
+        if pending is not None:
+            t0 = time.perf_counter()
+            await asyncio.shield(pending)
+            self.stats_counters.stall_s += time.perf_counter() - t0
+            hit = self._window.lookup(gen)
+            if hit is not None:
+                self.stats_counters.hits_device += 1
+                return hit
+        host = await self._read(rec, None)
+        return await self._admit(gen, host, wait)
+
+    async def _admit(self, gen: int | None, host: torch.Tensor, wait: bool) -> torch.Tensor:
+        nbytes = host.numel() * host.element_size()
+        while not self._window.make_room(nbytes):
+            if not wait or not self._device_loads:
+                raise BudgetError(
+                    f"device window full: {self._window.live_bytes} of {self._window.budget} B are "
+                    f"held by tensors still referenced; {nbytes} B more do not fit. Drop "
+                    "references to window tensors you no longer need.")
+            await asyncio.sleep(0.001)  # a prefetch in flight may be waiting on the same room
+        out = self._window.admit(gen, host, owned=True)
+        self.stats_counters.bytes_h2d += nbytes
+        return out
+
+    async def _read(self, rec: GenRecord, index: Index) -> torch.Tensor:
+        """Read a whole tensor, a dim-0 slice or a dim-0 gather into a new host tensor."""
+        shape = rec.shape
+        if index is None:
+            out = torch.empty(shape, dtype=rec.decoded_dtype)
+            ranges = [(0, out.numel(), 0)]
+            bypass = self._host.budget is not None and rec.stored_nbytes > self._host.budget // 2
+            await self._fill(rec, ranges, out.reshape(-1), bypass)
+            return out
+        if not shape:
+            raise InvalidIndex(f"{rec.key!r} is 0-d: it has no dim 0 to index")
+        rows = shape[0]
+        row_numel = 1
+        for s in shape[1:]:
+            row_numel *= s
+        if isinstance(index, slice):
+            start, stop, step = index.indices(rows)
+            if step != 1:
+                raise InvalidIndex(f"slices of {rec.key!r} need step 1, got {index.step}")
+            stop = max(start, stop)
+            out = torch.empty((stop - start, *shape[1:]), dtype=rec.decoded_dtype)
+            await self._fill(rec, [(start * row_numel, stop * row_numel, 0)], out.reshape(-1), False)
+            return out
+        idx = self._row_index(rec, index, rows)
+        scalar = isinstance(index, int) or (isinstance(index, torch.Tensor) and index.dim() == 0)
+        uniq, inverse = torch.unique(idx, return_inverse=True)
+        tmp = torch.empty((len(uniq), *shape[1:]), dtype=rec.decoded_dtype)
+        ranges = [(r * row_numel, (r + 1) * row_numel, j * row_numel) for j, r in enumerate(uniq.tolist())]
+        await self._fill(rec, ranges, tmp.reshape(-1), False)
+        out = tmp if len(uniq) == len(idx) and torch.equal(uniq, idx) else tmp[inverse]
+        return out[0] if scalar else out
+
+    @staticmethod
+    def _row_index(rec: GenRecord, index: Any, rows: int) -> torch.Tensor:
+        if isinstance(index, bool):
+            raise InvalidIndex(f"a bool is not a row index of {rec.key!r}")
+        try:
+            idx = torch.as_tensor(index)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise InvalidIndex(f"index of {rec.key!r} must be a slice, an int or int rows: {e}") from None
+        if idx.dtype in (torch.bool,) or idx.dtype.is_floating_point or idx.dtype.is_complex:
+            raise InvalidIndex(f"row indices of {rec.key!r} must be integers, got {idx.dtype}")
+        idx = idx.reshape(-1).to(torch.int64)
+        if idx.numel() and (int(idx.min()) < -rows or int(idx.max()) >= rows):
+            raise InvalidIndex(f"row index out of range for {rec.key!r} with {rows} rows")
+        return torch.where(idx < 0, idx + rows, idx)
+
+    async def _fill(self, rec: GenRecord, ranges: list[tuple[int, int, int]], dest: torch.Tensor,
+                    bypass: bool) -> None:
+        """Copy flat source ranges of ``rec`` into ``dest``, chunk by chunk, in parallel."""
+        by_chunk = pieces_by_chunk(rec.grid, ranges)
+        if not by_chunk:
+            return
+        codec = rec.codec_obj
+        t0 = time.perf_counter()
+        missed = [False]
+
+        async def one(i: int, pieces: list[tuple[int, int, int]]) -> None:
+            cid = (rec.generation, i)
+            payload = self._host.lookup(cid)
+            if payload is not None:
+                self.stats_counters.hits_host += 1
+            else:
+                missed[0] = True
+                if bypass and codec.raw_layout and len(pieces) == 1 and self._reads.get(cid) is None:
+                    await self._read_direct(rec, i, pieces[0], dest)
+                    return
+                payload = await self._load_chunk(rec, i, cache="no" if bypass else "yes")
+            await self._run_cpu(payload.numel(), decode_into, codec, rec.grid, rec.torch_dtype,
+                                payload, pieces, dest)
+
+        await asyncio.gather(*(one(i, p) for i, p in by_chunk.items()))
+        if missed[0]:
+            self.stats_counters.stall_s += time.perf_counter() - t0
+
+    async def _read_direct(self, rec: GenRecord, i: int, piece: tuple[int, int, int],
+                           dest: torch.Tensor) -> None:
+        """Read a raw chunk straight into the destination (no RAM-tier copy), for huge tensors."""
+        lo, hi, off = piece
+        n, crc = rec.chunks[i]
+        item = dest.element_size()
+        dest_bytes = dest.view(torch.uint8) if dest.dtype != torch.uint8 else dest
+        head = np.empty(lo * item, np.uint8)
+        body = dest_bytes[off * item : (off + hi - lo) * item].numpy()
+        tail = np.empty(n - hi * item, np.uint8)
+        path = self._disk.chunk_path(rec.key, rec.generation, rec.grid, i)
+        assert self._read_sem is not None
+        async with self._read_sem:
+            t0 = time.perf_counter()
+            await self._run_io(self._disk.read_chunk, path, rec.key, i, n, crc, [head, body, tail])
+        self.stats_counters.reads_disk += 1
+        self.stats_counters.bytes_read_disk += n + 4
+        self.tracer.span("read", "disk", t0, time.perf_counter(), bytes=n)
+
+    async def _load_chunk(self, rec: GenRecord, i: int, cache: str) -> torch.Tensor:
+        """A chunk's payload from RAM or disk; ``cache`` is "yes", "try" (no waiting) or "no"."""
+        cid = (rec.generation, i)
+        payload = self._host.lookup(cid)
+        if payload is not None:
+            return payload
+        task = self._reads.get(cid)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._disk_read(rec, i, cache))
+            self._reads[cid] = task
+            task.add_done_callback(lambda _t: self._reads.pop(cid, None))
+        return await asyncio.shield(task)
+
+    async def _disk_read(self, rec: GenRecord, i: int, cache: str) -> torch.Tensor:
+        cid = (rec.generation, i)
+        n, crc = rec.chunks[i]
+        if cache == "yes":
+            await self._host.reserve(n)
+            reserved = True
+        else:
+            reserved = cache == "try" and self._host.try_reserve(n)
+        try:
+            buf = self._host.allocate(n) if reserved else torch.empty(n, dtype=torch.uint8)
+            path = self._disk.chunk_path(rec.key, rec.generation, rec.grid, i)
+            assert self._read_sem is not None
+            async with self._read_sem:
+                t0 = time.perf_counter()
+                await self._run_io(self._disk.read_chunk, path, rec.key, i, n, crc, [buf.numpy()])
+        except BaseException:
+            if reserved:
+                self._host.release(n)
+            raise
+        self.stats_counters.reads_disk += 1
+        self.stats_counters.bytes_read_disk += n + 4
+        self.tracer.span("read", "disk", t0, time.perf_counter(), bytes=n)
+        if reserved:
+            self._host.insert(cid, buf, dirty=False)
+        return buf
+
+    # ---------------------------------------------------------------- prefetch
+
+    async def prefetch(self, keys: Sequence[str], to: str = "host") -> None:
+        """Start loading ``keys`` into the RAM tier (``to="host"``) or the device window."""
+        self._check_open()
+        if to not in ("host", "device"):
+            raise StoreError(f"prefetch to= must be 'host' or 'device', got {to!r}")
+        if isinstance(keys, str):
+            keys = [keys]
+        for k in keys:
+            self._record(k)
+        self._prefetch_keys(list(keys), to, quiet=False)
+
+    def _prefetch_keys(self, keys: list[str], to: str, quiet: bool) -> None:
+        for k in keys:
+            rec = self._head.get(k)
+            if rec is None:
+                continue
+            if to == "device":
+                gen = rec.generation
+                if gen in self._device_loads or self._window.lookup(gen) is not None:
+                    continue
+                task = self._spawn(self._prefetch_device(rec))
+                self._device_loads[gen] = task
+                task.add_done_callback(lambda _t, g=gen: self._device_loads.pop(g, None))
+            else:
+                self._spawn(self._prefetch_host(rec))
+
+    async def _prefetch_host(self, rec: GenRecord) -> None:
+        try:
+            for i in range(rec.grid.n_chunks):
+                if not self._host.holds((rec.generation, i)):
+                    await self._load_chunk(rec, i, cache="try")
+                    self.stats_counters.prefetched_chunks += 1
+        except StoreError:
+            self.prefetch_errors += 1  # a hint failed; the real read reports the error
+
+    async def _prefetch_device(self, rec: GenRecord) -> None:
+        try:
+            if self._window.budget is not None and rec.nbytes > self._window.budget:
+                return
+            if not self._window.make_room(rec.nbytes):
+                await self._prefetch_host(rec)  # no room on the device yet: stage in RAM
+                return
+            if self._window.lookup(rec.generation) is None:
+                await self._admit(rec.generation, await self._read(rec, None), wait=False)
+        except StoreError:
+            self.prefetch_errors += 1
+
+    def mark_step(self) -> None:
+        """Close a step of the access trace; the predictor learns from it."""
+        self._predictor.mark_step()
+
+    # ---------------------------------------------------------------- metadata
+
+    def info(self, key: str) -> TensorInfo:
+        """Shape, dtype, codec, sizes and current tiers of ``key``."""
+        rec = self._record(key)
+        tiers = []
+        if self._window.lookup(rec.generation) is not None:
+            tiers.append("device")
+        if any(self._host.holds((rec.generation, i)) for i in range(rec.grid.n_chunks)):
+            tiers.append("host")
+        writes = self._writes.get(rec.generation, [])
+        if rec.generation in self._committed or (writes and all(
+                t.done() and not t.cancelled() and t.exception() is None for t in writes)):
+            tiers.append("disk")
+        return TensorInfo(key=key, shape=rec.shape, dtype=rec.decoded_dtype, codec=rec.codec,
+                          nbytes=rec.nbytes, stored_nbytes=rec.stored_nbytes, tiers=tuple(tiers),
+                          generation=rec.generation, chunks=rec.grid.n_chunks,
+                          uncommitted=rec.generation not in self._committed)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """Sorted keys that start with ``prefix``."""
+        self._check_open()
+        return sorted(k for k in self._head if k.startswith(prefix))
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._head
+
+    async def delete(self, key: str) -> None:
+        """Remove ``key`` from the head (committed versions keep it until they are dropped)."""
+        self._check_writable()
+        rec = self._record(key)
+        assert self._commit_lock is not None
+        async with self._commit_lock:
+            del self._head[key]
+            if rec.generation not in self._committed:
+                self._retire_soon(rec.key, rec.generation, rec.grid.n_chunks)
+
+    def versions(self) -> list[Commit]:
+        """Retained commits, oldest first."""
+        self._check_open()
+        return list(self._commits)
+
+    def zarr_path(self, key: str) -> str:
+        """The folder of ``key``'s current generation, readable with ``zarr.open_array``."""
+        rec = self._record(key)
+        return self._disk.generation_dir(rec.key, rec.generation)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since open, tier occupancy and peaks, and the predictor's accuracy."""
+        c = self.stats_counters
+        return {
+            "hits_device": c.hits_device, "hits_host": c.hits_host, "reads_disk": c.reads_disk,
+            "bytes_read_disk": c.bytes_read_disk, "bytes_written_disk": c.bytes_written_disk,
+            "bytes_h2d": c.bytes_h2d, "bytes_d2h": c.bytes_d2h, "stall_s": c.stall_s,
+            "peak_host_bytes": self._host.peak, "peak_device_bytes": self._window.peak,
+            "host_bytes": self._host.used, "device_bytes": self._window.live_bytes,
+            "ram_budget": self._host.budget, "device_budget": self._window.budget,
+            "prediction_accuracy": self._predictor.accuracy, "puts": c.puts, "gets": c.gets,
+            "commits": c.commits, "prefetched_chunks": c.prefetched_chunks,
+            "prefetch_errors": self.prefetch_errors, "dirty_chunks": self._host.dirty_count(),
+        }
+
+    # ---------------------------------------------------------------- commit
+
+    async def _drain_writes(self, retry: bool) -> None:
+        """Wait for every pending chunk write; retry failed ones once (e.g. after ENOSPC)."""
+        if self._retiring:
+            await asyncio.gather(*list(self._retiring), return_exceptions=True)
+        for gen in list(self._writes):
+            tasks = self._writes.get(gen, [])
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if not errors:
+                continue
+            if not retry:
+                raise errors[0]
+            rec = next((r for r in self._head.values() if r.generation == gen), None)
+            if rec is None:
+                continue  # superseded meanwhile: nothing to save
+            self._writes[gen] = [self._spawn(t) for t in self._rewrite(rec)]
+            await asyncio.gather(*self._writes[gen])
+
+    def _rewrite(self, rec: GenRecord) -> list[Any]:
+        """Write coroutines for every file of ``rec`` whose data is still dirty in RAM."""
+        meta = zarr_metadata(rec.grid, rec.torch_dtype, rec.codec_obj,
+                             {"key": rec.key, "generation": rec.generation})
+        gdir = self._disk.generation_dir(rec.key, rec.generation)
+        self._disk.make_dirs(rec.key, rec.generation, rec.grid, range(rec.grid.n_chunks))
+        coros = [self._write_file(os.path.join(gdir, "zarr.json"), [meta], None)]
+        for i, (_, crc) in enumerate(rec.chunks):
+            entry = self._host._entries.get((rec.generation, i))
+            if entry is not None and entry.dirty:
+                path = self._disk.chunk_path(rec.key, rec.generation, rec.grid, i)
+                coros.append(self._write_file(path, [entry.data.numpy(), crc_trailer(crc)],
+                                              (rec.generation, i)))
+        return coros
+
+    async def commit(self, step: int | None = None, message: str = "") -> int:
+        """Make the head a durable, atomic version (fsync + one LMDB transaction); return its id."""
+        self._check_writable()
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+            raise StoreError(f"step must be an int or None, got {step!r}")
+        assert self._commit_lock is not None and self._catalog is not None
+        async with self._commit_lock:
+            t0 = time.perf_counter()
+            await self._drain_writes(retry=True)
+            head = dict(self._head)
+            await self._fsync_all()
+            version = (self._commits[-1].version + 1) if self._commits else 1
+            commit = Commit(version, step, time.time(), str(message),
+                            {k: r.generation for k, r in sorted(head.items())})
+            kept = (self._commits + [commit])[-self.config.keep_last :]
+            dropped = [c.version for c in self._commits if c not in kept]
+            referenced = {g for c in kept for g in c.generations.values()}
+            new_records = [r for r in head.values() if r.generation not in self._records]
+            drop_gens = [g for g in self._records if g not in referenced]
+            await self._run_io(self._catalog.publish, commit, new_records, dropped, drop_gens)
+            for r in new_records:
+                self._records[r.generation] = r
+                self._writes.pop(r.generation, None)
+            self._commits = kept
+            self._committed = referenced
+            for g in drop_gens:
+                rec = self._records.pop(g)
+                self._host.drop_generation(g, rec.grid.n_chunks)
+                self._window.forget(g)
+                await self._run_io(self._disk.delete_generation, rec.key, g)
+            self.stats_counters.commits += 1
+            self.tracer.span("commit", "store", t0, time.perf_counter(), version=version)
+            return version
+
+    async def _fsync_all(self) -> None:
+        paths = sorted(self._unsynced, key=lambda p: -p.count(os.sep))  # files before folders
+        self._unsynced = set()
+        if not paths:
+            return
+        n = self.config.io_threads
+        groups = [paths[i::n] for i in range(n)]
+        try:
+            await asyncio.gather(*(self._run_io(self._disk.fsync_paths, g) for g in groups if g))
+            await self._run_io(self._disk.fsync_paths, [self._disk.data_dir])
+        except BaseException:
+            self._unsynced.update(paths)
+            raise

@@ -1,0 +1,136 @@
+"""Store: the synchronous facade over AsyncStore, bridged by one background event loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from tierstore.codecs import Codec
+from tierstore.records import Commit, TensorInfo
+from tierstore.store import AsyncStore, Index
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """A daemon thread running an event loop; the store's coroutines all run on it."""
+
+    def __init__(self, name: str = "tierstore-loop"):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the loop and wait for its result in the calling thread."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("a sync Store method was called from its own event loop thread")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Run a plain function on the loop thread (the owner of the store's state)."""
+        async def _wrap() -> Any:
+            return fn(*args)
+        return self.run(_wrap())
+
+    def stop(self) -> None:
+        """Stop the loop and join its thread."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+        self.loop.close()
+
+
+class Store:
+    """A tiered tensor store with blocking methods; see ``tierstore.open``."""
+
+    def __init__(self, astore: AsyncStore, loop: LoopThread):
+        self._a = astore
+        self._loop = loop
+        self.path = astore.path
+        self.mode = astore.mode
+        self.config = astore.config
+
+    @property
+    def async_store(self) -> AsyncStore:
+        """The AsyncStore behind this facade (its coroutines run on the facade's loop)."""
+        return self._a
+
+    def put(self, key: str, tensor: torch.Tensor, codec: str | dict[str, Any] | Codec = "raw") -> None:
+        """Store ``tensor`` under ``key``; returns once the bytes are copied."""
+        self._loop.run(self._a.put(key, tensor, codec))
+
+    def get(self, key: str, device: str | torch.device | None = None, index: Index = None) -> torch.Tensor:
+        """The newest value of ``key`` on the host, or in the device window with ``device=``."""
+        t = self._loop.run(self._a.get(key, device=device, index=index))
+        self._a._window.wait_ready(t)
+        return t
+
+    def prefetch(self, keys: Sequence[str] | str, to: str = "host") -> None:
+        """Hint that ``keys`` will be read soon; loading starts in the background."""
+        self._loop.run(self._a.prefetch(keys, to=to))  # type: ignore[arg-type]
+
+    def mark_step(self) -> None:
+        """Close a step of the access trace (the predictor learns the order)."""
+        self._loop.call(self._a.mark_step)
+
+    def info(self, key: str) -> TensorInfo:
+        """Shape, dtype, codec, sizes and current tiers of ``key``."""
+        return self._loop.call(self._a.info, key)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """Sorted keys that start with ``prefix``."""
+        return self._loop.call(self._a.keys, prefix)
+
+    def __contains__(self, key: str) -> bool:
+        return bool(self._loop.call(self._a.__contains__, key))
+
+    def delete(self, key: str) -> None:
+        """Remove ``key`` from the head."""
+        self._loop.run(self._a.delete(key))
+
+    def commit(self, step: int | None = None, message: str = "") -> int:
+        """Make the head a durable, atomic version; returns its id."""
+        return self._loop.run(self._a.commit(step=step, message=message))
+
+    def versions(self) -> list[Commit]:
+        """Retained commits, oldest first."""
+        return self._loop.call(self._a.versions)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, tier occupancy and peaks, prediction accuracy."""
+        return self._loop.call(self._a.stats)
+
+    def zarr_path(self, key: str) -> str:
+        """The folder of ``key``'s current generation, readable with ``zarr.open_array``."""
+        return self._loop.call(self._a.zarr_path, key)
+
+    def chrome_trace(self) -> str:
+        """The I/O trace as Chrome trace JSON (open in Perfetto)."""
+        return self._a.tracer.chrome_trace()
+
+    def close(self, commit: bool = True) -> None:
+        """Commit pending changes (unless ``commit=False``), then release files and threads."""
+        if self._loop is None:
+            return
+        try:
+            self._loop.run(self._a.close(commit=commit))
+        finally:
+            self._loop.stop()
+            self._loop = None  # type: ignore[assignment]
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        # an exception inside the block discards the uncommitted changes, like a transaction
+        self.close(commit=exc_type is None)
+
+    def __del__(self) -> None:
+        if getattr(self, "_loop", None) is not None:
+            try:
+                self.close(commit=False)
+            except Exception:
+                pass

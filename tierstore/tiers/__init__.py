@@ -1,0 +1,1 @@
+"""The tiers: disk (source of truth), host RAM cache, device window."""

@@ -1,0 +1,185 @@
+"""The NVMe tier: chunk files in the zarr v3 layout, read and written with pread/pwrite.
+
+Every method here is a plain blocking function; the store runs them on its own I/O thread pool.
+Each call opens and closes its own file descriptor, so no descriptor is shared between threads.
+A chunk file is the codec payload followed by a 4-byte little-endian crc32c of it, which is
+exactly zarr's ``crc32c`` codec: plain zarr checks the same checksums.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Sequence
+
+import crc32c
+
+from tierstore.errors import CorruptData, DiskError
+from tierstore.keys import generation_relpath, parse_generation_relpath
+from tierstore.layout import ChunkGrid
+
+Buffer = memoryview
+
+
+def crc_trailer(crc: int) -> bytes:
+    """The 4-byte little-endian crc32c trailer."""
+    return crc.to_bytes(4, "little")
+
+
+def checksum(parts: Sequence[Buffer]) -> int:
+    """crc32c over the concatenation of ``parts``."""
+    value = 0
+    for p in parts:
+        value = crc32c.crc32c(p, value)
+    return value
+
+
+class DiskTier:
+    """Owns ``<root>/data``: one folder per tensor generation, one file per chunk."""
+
+    def __init__(self, root: str, o_direct: bool = False):
+        self.data_dir = os.path.join(os.path.realpath(root), "data")
+        self.o_direct = o_direct and hasattr(os, "O_DIRECT")
+
+    def generation_dir(self, key: str, generation: int) -> str:
+        """The folder of one generation; never outside the data folder."""
+        path = os.path.normpath(os.path.join(self.data_dir, generation_relpath(key, generation)))
+        if os.path.commonpath([path, self.data_dir]) != self.data_dir:
+            raise DiskError(f"key {key!r} resolves outside the store")  # unreachable by key rules
+        return path
+
+    def chunk_path(self, key: str, generation: int, grid: ChunkGrid, i: int) -> str:
+        """The file of chunk ``i``."""
+        return os.path.join(self.generation_dir(key, generation), grid.zarr_key(i))
+
+    def make_dirs(self, key: str, generation: int, grid: ChunkGrid, chunks: range) -> list[str]:
+        """Create the folders the chunks need; return every folder created (to fsync later)."""
+        created: list[str] = []
+        wanted = {os.path.dirname(self.chunk_path(key, generation, grid, i)) for i in chunks}
+        wanted.add(self.generation_dir(key, generation))
+        for d in sorted(wanted):
+            parts: list[str] = []
+            p = d
+            while not os.path.isdir(p):
+                parts.append(p)
+                p = os.path.dirname(p)
+            for q in reversed(parts):
+                try:
+                    os.mkdir(q)
+                    created.append(q)
+                except FileExistsError:
+                    pass
+                except OSError as e:
+                    raise DiskError(f"cannot create {q}: {e.strerror}") from e
+        return created
+
+    def write_file(self, path: str, parts: Sequence[Buffer]) -> None:
+        """Write ``parts`` as the whole content of ``path`` (no fsync; see ``fsync_paths``)."""
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            raise DiskError(f"cannot create {path}: {e.strerror}") from e
+        try:
+            views = [memoryview(p).cast("B") for p in parts if len(memoryview(p).cast("B"))]
+            offset = 0
+            while views:
+                n = os.pwritev(fd, views, offset)
+                if n == 0:
+                    raise DiskError(f"write to {path} made no progress")
+                offset += n
+                while views and n >= len(views[0]):
+                    n -= len(views[0])
+                    views.pop(0)
+                if n:  # a short write: resume inside the first unwritten buffer
+                    views[0] = views[0][n:]
+        except OSError as e:
+            raise DiskError(f"writing {path} failed: {e.strerror} (errno {e.errno})") from e
+        finally:
+            os.close(fd)
+
+    def read_chunk(self, path: str, key: str, chunk: int, payload_len: int, crc: int,
+                   into: Sequence[Buffer]) -> None:
+        """Read a chunk's payload into ``into`` (buffers summing to ``payload_len``), check crc."""
+        trailer = bytearray(4)
+        views = [memoryview(b).cast("B") for b in into] + [memoryview(trailer)]
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CorruptData(f"chunk file of {key!r} chunk {chunk} is missing: {path}",
+                              key, chunk) from None
+        except OSError as e:
+            raise DiskError(f"cannot open {path}: {e.strerror}") from e
+        try:
+            size = os.fstat(fd).st_size
+            if size != payload_len + 4:
+                raise CorruptData(
+                    f"chunk file of {key!r} chunk {chunk} has {size} bytes, expected "
+                    f"{payload_len + 4} (truncated or overwritten): {path}", key, chunk)
+            offset = 0
+            pending = [v for v in views if len(v)]
+            while pending:
+                n = os.preadv(fd, pending, offset)
+                if n == 0:
+                    raise CorruptData(f"chunk file of {key!r} chunk {chunk} ended early: {path}",
+                                      key, chunk)
+                offset += n
+                while pending and n >= len(pending[0]):
+                    n -= len(pending[0])
+                    pending.pop(0)
+                if n:
+                    pending[0] = pending[0][n:]
+        except OSError as e:
+            raise DiskError(f"reading {path} failed: {e.strerror} (errno {e.errno})") from e
+        finally:
+            os.close(fd)
+        stored = int.from_bytes(trailer, "little")
+        if stored != crc or checksum(views[:-1]) != crc:
+            raise CorruptData(f"checksum mismatch in {key!r} chunk {chunk}: {path}", key, chunk)
+
+    def fsync_paths(self, paths: Sequence[str]) -> None:
+        """fsync files and folders (folders make new entries durable)."""
+        for p in paths:
+            try:
+                fd = os.open(p, os.O_RDONLY)
+            except FileNotFoundError:
+                continue  # deleted since (a superseded generation): nothing to make durable
+            except OSError as e:
+                raise DiskError(f"cannot open {p} to fsync: {e.strerror}") from e
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                raise DiskError(f"fsync of {p} failed: {e.strerror} (errno {e.errno})") from e
+            finally:
+                os.close(fd)
+
+    def delete_generation(self, key: str, generation: int) -> None:
+        """Remove one generation's folder and its now-empty parents."""
+        path = self.generation_dir(key, generation)
+        shutil.rmtree(path, ignore_errors=True)
+        parent = os.path.dirname(path)
+        while parent != self.data_dir and os.path.commonpath([parent, self.data_dir]) == self.data_dir:
+            try:
+                os.rmdir(parent)
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                    break
+                raise
+            parent = os.path.dirname(parent)
+
+    def scan_generations(self) -> list[tuple[str, int]]:
+        """Every (key, generation) folder on disk."""
+        found: list[tuple[str, int]] = []
+        if not os.path.isdir(self.data_dir):
+            return found
+        for dirpath, dirnames, _ in os.walk(self.data_dir):
+            keep = []
+            for name in dirnames:
+                rel = os.path.relpath(os.path.join(dirpath, name), self.data_dir)
+                parsed = parse_generation_relpath(rel)
+                if parsed is not None:
+                    found.append(parsed)
+                else:
+                    keep.append(name)
+            dirnames[:] = keep  # do not descend into generation folders
+        return found

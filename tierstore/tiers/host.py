@@ -1,0 +1,131 @@
+"""The RAM tier: chunks in stored form under a byte budget, with write-back and backpressure.
+
+Owned by the store's event loop thread: every method is called from that thread only, so the
+tier needs no lock. Bytes are reserved before a chunk is built, so the budget bounds the memory
+actually allocated, not just what has been inserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from tierstore.errors import BudgetError
+
+ChunkId = tuple[int, int]  # (generation, chunk index)
+
+
+@dataclasses.dataclass(slots=True)
+class HostEntry:
+    """One chunk's stored payload in RAM."""
+
+    data: torch.Tensor  # uint8, the payload without the crc trailer
+    dirty: bool
+
+
+class HostTier:
+    """An LRU cache of chunk payloads whose total size never exceeds ``budget``."""
+
+    def __init__(self, budget: int | None, pin: bool = False):
+        self.budget = budget
+        self.pin = pin
+        self.used = 0
+        self.peak = 0
+        self._entries: OrderedDict[ChunkId, HostEntry] = OrderedDict()
+        self._freed = asyncio.Event()
+        #: called when a reservation cannot wait any longer; returns a reason or None to wait
+        self.explain_stuck: Callable[[], str | None] = lambda: None
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A fresh uint8 buffer (pinned when CUDA is present) for a reserved chunk."""
+        if self.pin:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a chunk of ``nbytes`` can ever be held."""
+        return self.budget is None or nbytes <= self.budget
+
+    def try_reserve(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` now if evicting clean chunks makes room; never waits."""
+        if self.budget is not None:
+            while self.used + nbytes > self.budget and self._evict_one():
+                pass
+            if self.used + nbytes > self.budget:
+                return False
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        return True
+
+    async def reserve(self, nbytes: int) -> None:
+        """Reserve ``nbytes``, waiting for write-backs to free room (backpressure)."""
+        if not self.fits(nbytes):
+            raise BudgetError(f"a chunk of {nbytes} B is larger than the RAM budget ({self.budget} B)")
+        while not self.try_reserve(nbytes):
+            reason = self.explain_stuck()
+            if reason is not None:
+                raise BudgetError(f"RAM budget full and nothing can be freed: {reason}")
+            self._freed.clear()
+            try:
+                await asyncio.wait_for(self._freed.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    def release(self, nbytes: int) -> None:
+        """Return reserved bytes that were not inserted."""
+        self.used -= nbytes
+        self._freed.set()
+
+    def insert(self, cid: ChunkId, data: torch.Tensor, dirty: bool) -> None:
+        """Insert a chunk whose bytes were reserved."""
+        old = self._entries.pop(cid, None)
+        if old is not None:
+            self.used -= old.data.numel()
+        self._entries[cid] = HostEntry(data, dirty)
+
+    def lookup(self, cid: ChunkId) -> torch.Tensor | None:
+        """The chunk's payload if held (and mark it recently used)."""
+        e = self._entries.get(cid)
+        if e is None:
+            return None
+        self._entries.move_to_end(cid)
+        return e.data
+
+    def holds(self, cid: ChunkId) -> bool:
+        """Whether the chunk is held, without touching its recency."""
+        return cid in self._entries
+
+    def mark_clean(self, cid: ChunkId) -> None:
+        """The chunk's payload is on disk: it may now be evicted."""
+        e = self._entries.get(cid)
+        if e is not None and e.dirty:
+            e.dirty = False
+            self._freed.set()
+
+    def drop(self, cid: ChunkId) -> None:
+        """Forget a chunk, dirty or not (its generation is gone)."""
+        e = self._entries.pop(cid, None)
+        if e is not None:
+            self.used -= e.data.numel()
+            self._freed.set()
+
+    def drop_generation(self, generation: int, n_chunks: int) -> None:
+        """Forget every chunk of a generation."""
+        for i in range(n_chunks):
+            self.drop((generation, i))
+
+    def dirty_count(self) -> int:
+        """Chunks not yet on disk."""
+        return sum(e.dirty for e in self._entries.values())
+
+    def _evict_one(self) -> bool:
+        for cid, e in self._entries.items():
+            if not e.dirty:
+                del self._entries[cid]
+                self.used -= e.data.numel()
+                return True
+        return False
