@@ -108,7 +108,12 @@ def close_store(store: Any) -> None:
     for path, s in list(_open_stores.items()):
         if s is store:
             del _open_stores[path]
-    store.close()
+    try:
+        # No implicit "close" commit: the head after the last checkpoint would pair new weights
+        # with the trainer state of the old one. Plain close() where the store lacks the option.
+        store.close(commit=False)
+    except TypeError:
+        store.close()
 
 
 def load_model(path_or_config: Any) -> nn.Module:

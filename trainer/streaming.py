@@ -104,16 +104,22 @@ class StreamingEngine:
             with self.lock:
                 self.store.prefetch(self.reads[g], to="device")
 
-    def _fetch(self, g: int, grad: bool) -> dict[str, torch.Tensor]:
+    def _fetch(self, g: int, grad: bool) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """Group ``g``'s weights from the device window, and the window tensors to hold meanwhile.
+
+        The window counts a tensor's bytes while the object it handed out is alive, so the
+        originals are held as long as their autograd leaves (aliases of the same memory) are.
+        """
         if self.before_fetch is not None:
             self.before_fetch(g)
-        out = {}
+        out, held = {}, []
         with self.lock:
             for name in self.reads[g]:
                 t = self.store.get(name, device=self.device)
-                # The window's tensors are read-only: detach() shares them, autograd never writes them.
+                held.append(t)
+                # Read-only: detach() shares the memory, and autograd never writes its leaves.
                 out[name] = t.detach().requires_grad_(grad) if grad else t
-        return out
+        return out, held
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if not self.bf16:
@@ -149,6 +155,7 @@ class StreamingEngine:
                                 kwargs={"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
                                         "use_cache": False})
         except _Captured as c:
+            c.__traceback__ = None  # its frames would keep the bound weights alive
             return c
         finally:
             layers[0] = first
@@ -182,24 +189,24 @@ class StreamingEngine:
         rng: list[Any] = []
         # Forward without autograd, keeping only the layer-boundary activations.
         with torch.no_grad():
+            w, held = self._fetch(0, grad=False)
             self._prefetch(1)
-            w = self._fetch(0, grad=False)
             rng.append(self._rng_state())
             cap = self._prelude(w, batch)
-            del w
+            del w, held
             h = cap.args[0]
             cap.args = (None, *cap.args[1:])
             boundary: list[torch.Tensor] = []
             boundary.append(h)
             for i in range(n_layers):
+                w, held = self._fetch(i + 1, grad=False)
                 self._prefetch(i + 2)
-                w = self._fetch(i + 1, grad=False)
                 rng.append(self._rng_state())
                 h = self._layer(i, w, h, cap)
-                del w
+                del w, held
                 boundary.append(h)
         # Norm + head + loss with autograd; their backward runs right away.
-        w = self._fetch(head_g, grad=True)
+        w, held = self._fetch(head_g, grad=True)
         self._prefetch(n_layers)
         x = boundary.pop().detach().requires_grad_()
         logits = self._head(w, x)
@@ -207,29 +214,29 @@ class StreamingEngine:
         grads = torch.autograd.grad(loss_sum / num_items, [x, *w.values()], allow_unused=True)
         dh = grads[0]
         head_grads = self._host_grads(w, grads[1:])
-        del logits, w, grads
+        del logits, w, held, grads
         tied_key = self.parts.head_params.get("weight") if self.parts.tied else None
         tied_grad = head_grads.pop(tied_key) if tied_key is not None and tied_key in head_grads else None
         sink(head_g, head_grads)
         # Layers in reverse: re-fetch, recompute with autograd, backprop the boundary gradient.
         for i in reversed(range(n_layers)):
+            w, held = self._fetch(i + 1, grad=True)
             self._prefetch(i)  # group i is layer i-1, or the prelude when i == 0
-            w = self._fetch(i + 1, grad=True)
             x = boundary.pop().detach().requires_grad_()
             with torch.enable_grad(), self._rng(rng[i + 1]):
                 out = self._layer(i, w, x, cap)
             grads = torch.autograd.grad(out, [x, *w.values()], dh, allow_unused=True)
             dh = grads[0]
             sink(i + 1, self._host_grads(w, grads[1:]))
-            del out, w, grads
+            del out, w, held, grads
         # The prelude: recompute the embeddings with autograd and backprop into them.
-        w = self._fetch(0, grad=True)
+        w, held = self._fetch(0, grad=True)
         with torch.enable_grad(), self._rng(rng[0]):
             c = self._prelude(w, batch)
         _detach_tree((c.args[1:], c.kwargs))  # raises if a layer argument depends on weights
         grads = torch.autograd.grad(c.args[0], list(w.values()), dh, allow_unused=True)
         pre = self._host_grads(w, grads)
-        del w, c, grads
+        del w, held, c, grads
         if tied_grad is not None:
             pre[tied_key] = pre[tied_key] + tied_grad  # type: ignore[index]
         sink(0, pre)

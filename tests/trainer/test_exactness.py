@@ -1,0 +1,93 @@
+"""The streaming trainer follows plain PyTorch training step for step (raw codecs, fp32)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.trainer.plain_reference import (
+    build,
+    clone,
+    gpt2_config,
+    llama_config,
+    reference_train,
+    train_streaming,
+    weight_bytes,
+)
+from trainer.args import TrainingArguments
+
+STEPS = 6
+
+
+def _args(tmp: Any) -> TrainingArguments:
+    return TrainingArguments(output_dir=str(tmp), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                             learning_rate=2e-3, weight_decay=0.1, max_steps=STEPS, warmup_steps=2,
+                             lr_scheduler_type="cosine", max_grad_norm=0.5, logging_steps=1, save_steps=0,
+                             disable_tqdm=True)
+
+
+def _run(config: Any, dataset: Any, tmp: Any) -> dict[str, Any]:
+    model = build(config)
+    ref = clone(model)
+    wbytes = weight_bytes(model)
+    # A device window well under half the weights; a RAM budget below the training state (16 B/param).
+    vram = wbytes * 45 // 100
+    ram = wbytes * 2
+    args = _args(tmp)
+    tr = train_streaming(model, dataset, args, vram=f"{vram}B", ram=f"{ram}B")
+    try:
+        ref_losses = reference_train(ref, dataset, args, STEPS)
+        weights = {n: tr.store.get(n) for n, _ in ref.named_parameters()}
+        stats = tr.store.stats()
+    finally:
+        tr.close()
+    return {"losses": [e["loss"] for e in tr.state.log_history], "ref_losses": ref_losses, "weights": weights,
+            "ref": ref, "stats": stats, "vram": vram, "ram": ram, "log": tr.state.log_history}
+
+
+@pytest.fixture(scope="module")
+def llama_run(dataset: Any, tmp_path_factory: Any) -> dict[str, Any]:
+    return _run(llama_config(4), dataset, tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def gpt2_run(dataset: Any, tmp_path_factory: Any) -> dict[str, Any]:
+    return _run(gpt2_config(4), dataset, tmp_path_factory.mktemp("gpt2"))
+
+
+@pytest.mark.parametrize("run", ["llama_run", "gpt2_run"])
+def test_losses_and_weights_match_plain_pytorch(run: str, request: Any) -> None:
+    r = request.getfixturevalue(run)
+    assert len(r["losses"]) == STEPS
+    for got, want in zip(r["losses"], r["ref_losses"], strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (r["losses"], r["ref_losses"])
+    # Training moved the weights, so equal weights are not equal initial weights.
+    assert r["losses"][-1] < r["losses"][0]
+    for name, p in r["ref"].named_parameters():
+        torch.testing.assert_close(r["weights"][name], p.detach(), atol=1e-5, rtol=0, msg=name)
+
+
+def test_gpt2_embeddings_are_tied_in_one_key(gpt2_run: dict[str, Any]) -> None:
+    ref = gpt2_run["ref"]
+    assert ref.lm_head.weight is ref.transformer.wte.weight
+    assert "lm_head.weight" not in gpt2_run["weights"]
+
+
+@pytest.mark.parametrize("run", ["llama_run", "gpt2_run"])
+def test_peaks_stay_within_budgets(run: str, request: Any) -> None:
+    r = request.getfixturevalue(run)
+    s = r["stats"]
+    assert 0 < s["peak_device_bytes"] <= r["vram"]
+    assert 0 < s["peak_host_bytes"] <= r["ram"]
+    # The window really was used for more than the whole model would fit at once... it is under half.
+    assert r["vram"] < weight_bytes(r["ref"]) / 2
+
+
+def test_log_history_fields(llama_run: dict[str, Any]) -> None:
+    entry = llama_run["log"][-1]
+    for key in ("step", "loss", "learning_rate", "grad_norm", "tokens_per_s", "stall_s", "step_s"):
+        assert key in entry
+    assert [e["step"] for e in llama_run["log"]] == list(range(1, STEPS + 1))
+    assert entry["grad_norm"] > 0 and entry["tokens_per_s"] > 0
