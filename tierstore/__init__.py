@@ -3,9 +3,6 @@
 from tierstore import codecs
 from tierstore.api import open, open_async
 from tierstore.config import StoreConfig, parse_size
-from tierstore.records import Commit, TensorInfo
-from tierstore.store import AsyncStore
-from tierstore.sync import Store
 from tierstore.errors import (
     BudgetError,
     CodecError,
@@ -21,6 +18,10 @@ from tierstore.errors import (
     StoreLocked,
     StoreNotFound,
 )
+from tierstore.keys import validate_key
+from tierstore.records import Commit, TensorInfo
+from tierstore.store import AsyncStore
+from tierstore.sync import Store
 
 __all__ = [
     "AsyncStore",
@@ -45,4 +46,5 @@ __all__ = [
     "StoreError",
     "StoreLocked",
     "codecs",
+    "validate_key",
 ]

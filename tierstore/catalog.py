@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import lmdb
 
-from tierstore.errors import CorruptData, FormatVersionError, StoreError, StoreNotFound
+from tierstore.errors import CorruptData, DiskError, FormatVersionError, StoreError, StoreNotFound
 from tierstore.records import Commit, GenRecord
 
 FORMAT_VERSION = 1
@@ -142,13 +142,16 @@ class Catalog:
     def publish(self, commit: Commit, new_records: Iterable[GenRecord],
                 drop_commits: Iterable[int], drop_generations: Iterable[int]) -> None:
         """Write a commit, its new records and the retention drops in one durable transaction."""
-        with self._env.begin(write=True) as txn:
-            for rec in new_records:
-                txn.put(_u64(rec.generation), rec.to_json(), db=self._gens)
-            txn.put(_u64(commit.version), commit.to_json(), db=self._commits)
-            for v in drop_commits:
-                txn.delete(_u64(v), db=self._commits)
-            for g in drop_generations:
-                txn.delete(_u64(g), db=self._gens)
-        # sync=True makes the commit durable; an explicit sync covers filesystems that lie less
-        self._env.sync(True)
+        try:
+            with self._env.begin(write=True) as txn:
+                for rec in new_records:
+                    txn.put(_u64(rec.generation), rec.to_json(), db=self._gens)
+                txn.put(_u64(commit.version), commit.to_json(), db=self._commits)
+                for v in drop_commits:
+                    txn.delete(_u64(v), db=self._commits)
+                for g in drop_generations:
+                    txn.delete(_u64(g), db=self._gens)
+            # sync=True already synced the commit; this also covers metasync-less filesystems
+            self._env.sync(True)
+        except lmdb.Error as e:  # e.g. MapFullError, DiskError (EIO/ENOSPC): nothing was published
+            raise DiskError(f"catalog commit failed: {e}") from None

@@ -68,8 +68,6 @@ class StoreConfig:
     io_depth: int = 8
     #: commits kept; older ones and the generations only they reference are deleted
     keep_last: int = 2
-    #: read chunk files with O_DIRECT (bypasses the page cache); needs 4 KiB alignment support
-    o_direct: bool = False
     #: keys of the last step's access order kept by the predictor to prefetch after each read
     prefetch_ahead: int = 4
 

@@ -16,9 +16,9 @@ import fcntl
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -30,6 +30,8 @@ from tierstore.config import StoreConfig
 from tierstore.dtypes import dtype_name
 from tierstore.errors import (
     BudgetError,
+    CorruptData,
+    DiskError,
     InvalidIndex,
     KeyNotFound,
     ReadOnlyError,
@@ -38,6 +40,7 @@ from tierstore.errors import (
     StoreLocked,
     StoreNotFound,
 )
+from tierstore.faults import FaultPlan
 from tierstore.keys import validate_key
 from tierstore.layout import ChunkGrid, zarr_metadata
 from tierstore.prefetch import AccessPredictor
@@ -49,6 +52,7 @@ from tierstore.tiers.host import HostTier
 
 T = TypeVar("T")
 _INLINE_BYTES = 1 << 20  # smaller chunks are coded on the loop thread: a thread hop costs more
+_SYNC_ON_WRITE_BYTES = 1 << 20  # larger files are fdatasync'd by the write-behind itself
 _STORE_ENTRIES = {"LOCK", "catalog", "data"}
 
 Index = slice | int | torch.Tensor | Sequence[int] | None
@@ -66,7 +70,7 @@ class AsyncStore:
         self.tracer = Tracer()
         self._catalog: Catalog | None = None
         self._lock_fd: int | None = None
-        self._disk = DiskTier(self.path, config.o_direct)
+        self._disk = DiskTier(self.path)
         pin = torch.cuda.is_available() and config.device is not None and config.device.type == "cuda"
         self._host = HostTier(config.ram_budget, pin=pin)
         self._host.explain_stuck = self._explain_stuck
@@ -85,7 +89,7 @@ class AsyncStore:
         self._reads: dict[tuple[int, int], asyncio.Task[torch.Tensor]] = {}
         self._device_loads: dict[int, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[Any]] = set()
-        self._unsynced: set[str] = set()
+        self._unsynced: set[str] = set()  # small files and folders written since the last commit
         self._write_sem: asyncio.Semaphore | None = None
         self._read_sem: asyncio.Semaphore | None = None
         self._commit_lock: asyncio.Lock | None = None
@@ -181,9 +185,10 @@ class AsyncStore:
         try:
             if commit and not self.readonly and self._has_changes():
                 await self.commit(message="close")
-            else:
-                await self._drain_writes(retry=False)
         finally:
+            # let in-flight I/O settle; failures no longer matter: nothing uncommitted survives
+            pending = [t for ts in self._writes.values() for t in ts] + list(self._retiring)
+            await asyncio.gather(*pending, return_exceptions=True)
             for t in list(self._background):
                 t.cancel()
             self._closed = True
@@ -290,16 +295,16 @@ class AsyncStore:
         raw_bytes = grid.chunk_numel * t.element_size()
         for i in range(grid.n_chunks):
             if codec.raw_layout:
-                await self._host.reserve(raw_bytes)
-                buf = self._host.allocate(raw_bytes)
+                buf = await self._host.alloc(raw_bytes)
                 try:
                     payload, crc = await self._run_cpu(raw_bytes, encode_chunk, codec, flat, grid, i, buf)
                 except BaseException:
-                    self._host.release(raw_bytes)
+                    self._host.release(buf)
                     raise
             else:
-                payload, crc = await self._run_cpu(raw_bytes, encode_chunk, codec, flat, grid, i, None)
-                await self._host.reserve(payload.numel())
+                encoded, crc = await self._run_cpu(raw_bytes, encode_chunk, codec, flat, grid, i, None)
+                payload = await self._host.alloc(encoded.numel())
+                payload.copy_(encoded)  # into a buffer the RAM tier accounts for
             self._host.insert((gen, i), payload, dirty=True)
             chunks.append((payload.numel(), crc))
             path = self._disk.chunk_path(key, gen, grid, i)
@@ -310,12 +315,14 @@ class AsyncStore:
 
     async def _write_file(self, path: str, parts: list[Any], cid: tuple[int, int] | None) -> None:
         assert self._write_sem is not None
+        n = sum(memoryview(p).nbytes for p in parts)
+        sync = n >= _SYNC_ON_WRITE_BYTES
         async with self._write_sem:
             t0 = time.perf_counter()
-            await self._run_io(self._disk.write_file, path, parts)
-        n = sum(memoryview(p).nbytes for p in parts)
+            await self._run_io(self._disk.write_file, path, parts, sync)
+        if not sync:
+            self._unsynced.add(path)
         self.stats_counters.bytes_written_disk += n
-        self._unsynced.add(path)
         if cid is not None:
             self._host.mark_clean(cid)
         self.tracer.span("write", "disk", t0, time.perf_counter(), bytes=n)
@@ -507,13 +514,15 @@ class AsyncStore:
     async def _disk_read(self, rec: GenRecord, i: int, cache: str) -> torch.Tensor:
         cid = (rec.generation, i)
         n, crc = rec.chunks[i]
+        buf: torch.Tensor | None = None
         if cache == "yes":
-            await self._host.reserve(n)
-            reserved = True
-        else:
-            reserved = cache == "try" and self._host.try_reserve(n)
+            buf = await self._host.alloc(n)
+        elif cache == "try":
+            buf = self._host.try_alloc(n)
+        reserved = buf is not None
+        if buf is None:
+            buf = torch.empty(n, dtype=torch.uint8)
         try:
-            buf = self._host.allocate(n) if reserved else torch.empty(n, dtype=torch.uint8)
             path = self._disk.chunk_path(rec.key, rec.generation, rec.grid, i)
             assert self._read_sem is not None
             async with self._read_sem:
@@ -521,7 +530,7 @@ class AsyncStore:
                 await self._run_io(self._disk.read_chunk, path, rec.key, i, n, crc, [buf.numpy()])
         except BaseException:
             if reserved:
-                self._host.release(n)
+                self._host.release(buf)
             raise
         self.stats_counters.reads_disk += 1
         self.stats_counters.bytes_read_disk += n + 4
@@ -645,9 +654,30 @@ class AsyncStore:
             "prefetch_errors": self.prefetch_errors, "dirty_chunks": self._host.dirty_count(),
         }
 
+    async def verify(self, keys: Sequence[str] | None = None) -> list[CorruptData]:
+        """Re-read every chunk of the opened version (or of ``keys``) from disk; return the faults.
+
+        ``keys`` lets a caller verify in steps (a progress bar); uncommitted keys are skipped.
+        """
+        self._check_open()
+        faults: list[CorruptData] = []
+        committed = {k: r for k, r in self._head.items() if r.generation in self._committed}
+        if keys is not None:
+            wanted = {k: self._record(k) for k in keys}  # KeyNotFound for an unknown key
+            committed = {k: r for k, r in wanted.items() if k in committed}
+        for key, rec in sorted(committed.items()):
+            for i, (n, crc) in enumerate(rec.chunks):
+                path = self._disk.chunk_path(key, rec.generation, rec.grid, i)
+                buf = np.empty(n, np.uint8)
+                try:
+                    await self._run_io(self._disk.read_chunk, path, key, i, n, crc, [buf])
+                except CorruptData as e:
+                    faults.append(e)
+        return faults
+
     # ---------------------------------------------------------------- commit
 
-    async def _drain_writes(self, retry: bool) -> None:
+    async def _drain_writes(self) -> None:
         """Wait for every pending chunk write; retry failed ones once (e.g. after ENOSPC)."""
         if self._retiring:
             await asyncio.gather(*list(self._retiring), return_exceptions=True)
@@ -657,8 +687,6 @@ class AsyncStore:
             errors = [r for r in results if isinstance(r, BaseException)]
             if not errors:
                 continue
-            if not retry:
-                raise errors[0]
             rec = next((r for r in self._head.values() if r.generation == gen), None)
             if rec is None:
                 continue  # superseded meanwhile: nothing to save
@@ -688,7 +716,7 @@ class AsyncStore:
         assert self._commit_lock is not None and self._catalog is not None
         async with self._commit_lock:
             t0 = time.perf_counter()
-            await self._drain_writes(retry=True)
+            await self._drain_writes()
             head = dict(self._head)
             await self._fsync_all()
             version = (self._commits[-1].version + 1) if self._commits else 1
@@ -699,7 +727,7 @@ class AsyncStore:
             referenced = {g for c in kept for g in c.generations.values()}
             new_records = [r for r in head.values() if r.generation not in self._records]
             drop_gens = [g for g in self._records if g not in referenced]
-            await self._run_io(self._catalog.publish, commit, new_records, dropped, drop_gens)
+            await self._run_io(self._publish, commit, new_records, dropped, drop_gens)
             for r in new_records:
                 self._records[r.generation] = r
                 self._writes.pop(r.generation, None)
@@ -714,16 +742,26 @@ class AsyncStore:
             self.tracer.span("commit", "store", t0, time.perf_counter(), version=version)
             return version
 
+    def _publish(self, commit: Commit, new_records: list[GenRecord], dropped: list[int],
+                 drop_gens: list[int]) -> None:
+        assert self._catalog is not None
+        try:
+            self._disk._io_site("catalog", self._catalog.path)
+        except OSError as e:
+            raise DiskError(f"catalog commit failed: {e}") from e
+        self._catalog.publish(commit, new_records, dropped, drop_gens)
+
+    def inject_faults(self, plan: FaultPlan | None) -> None:
+        """Make the disk tier fail chosen I/O calls (tests of error paths); None stops it."""
+        self._disk.faults = plan
+
     async def _fsync_all(self) -> None:
-        paths = sorted(self._unsynced, key=lambda p: -p.count(os.sep))  # files before folders
+        paths = sorted(self._unsynced)
         self._unsynced = set()
         if not paths:
             return
-        n = self.config.io_threads
-        groups = [paths[i::n] for i in range(n)]
         try:
-            await asyncio.gather(*(self._run_io(self._disk.fsync_paths, g) for g in groups if g))
-            await self._run_io(self._disk.fsync_paths, [self._disk.data_dir])
+            await self._run_io(self._disk.sync_paths, paths)
         except BaseException:
             self._unsynced.update(paths)
             raise

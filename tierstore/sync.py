@@ -107,6 +107,10 @@ class Store:
         """The folder of ``key``'s current generation, readable with ``zarr.open_array``."""
         return self._loop.call(self._a.zarr_path, key)
 
+    def verify(self, keys: Sequence[str] | None = None) -> list[Any]:
+        """Re-read every committed chunk (of ``keys``, default all) from disk; the CorruptData faults."""
+        return self._loop.run(self._a.verify(keys))
+
     def chrome_trace(self) -> str:
         """The I/O trace as Chrome trace JSON (open in Perfetto)."""
         return self._a.tracer.chrome_trace()

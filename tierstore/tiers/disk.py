@@ -8,18 +8,34 @@ exactly zarr's ``crc32c`` codec: plain zarr checks the same checksums.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import crc32c
 
 from tierstore.errors import CorruptData, DiskError
+from tierstore.faults import FaultPlan, pwritev_limited
 from tierstore.keys import generation_relpath, parse_generation_relpath
 from tierstore.layout import ChunkGrid
 
 Buffer = memoryview
+_SYNCFS_ABOVE = 32  # beyond this many files and folders one syncfs beats fsync calls
+
+
+def _load_syncfs() -> Callable[[int], int] | None:
+    """libc's syncfs (Linux): flushes one file system, whatever the number of files."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.syncfs  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
+
+
+_syncfs = _load_syncfs()
 
 
 def crc_trailer(crc: int) -> bytes:
@@ -38,9 +54,14 @@ def checksum(parts: Sequence[Buffer]) -> int:
 class DiskTier:
     """Owns ``<root>/data``: one folder per tensor generation, one file per chunk."""
 
-    def __init__(self, root: str, o_direct: bool = False):
+    def __init__(self, root: str):
         self.data_dir = os.path.join(os.path.realpath(root), "data")
-        self.o_direct = o_direct and hasattr(os, "O_DIRECT")
+        #: fault injection for tests; None in normal use
+        self.faults: FaultPlan | None = None
+
+    def _io_site(self, site: str, path: str) -> None:
+        if self.faults is not None:
+            self.faults.check(site, path)
 
     def generation_dir(self, key: str, generation: int) -> str:
         """The folder of one generation; never outside the data folder."""
@@ -66,6 +87,7 @@ class DiskTier:
                 p = os.path.dirname(p)
             for q in reversed(parts):
                 try:
+                    self._io_site("mkdir", q)
                     os.mkdir(q)
                     created.append(q)
                 except FileExistsError:
@@ -74,9 +96,14 @@ class DiskTier:
                     raise DiskError(f"cannot create {q}: {e.strerror}") from e
         return created
 
-    def write_file(self, path: str, parts: Sequence[Buffer]) -> None:
-        """Write ``parts`` as the whole content of ``path`` (no fsync; see ``fsync_paths``)."""
+    def write_file(self, path: str, parts: Sequence[Buffer], sync: bool) -> None:
+        """Write ``parts`` as the whole content of ``path``; fdatasync it if ``sync``.
+
+        Syncing large chunks here, on a write-behind thread, keeps the disk busy while puts go
+        on; small files are synced in one batch by the commit (``sync_paths``).
+        """
         try:
+            self._io_site("write", path)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
             raise DiskError(f"cannot create {path}: {e.strerror}") from e
@@ -84,7 +111,10 @@ class DiskTier:
             views = [memoryview(p).cast("B") for p in parts if len(memoryview(p).cast("B"))]
             offset = 0
             while views:
-                n = os.pwritev(fd, views, offset)
+                if self.faults is not None and self.faults.short_writes is not None:
+                    n = pwritev_limited(fd, views, offset, self.faults.short_writes)
+                else:
+                    n = os.pwritev(fd, views, offset)
                 if n == 0:
                     raise DiskError(f"write to {path} made no progress")
                 offset += n
@@ -93,6 +123,9 @@ class DiskTier:
                     views.pop(0)
                 if n:  # a short write: resume inside the first unwritten buffer
                     views[0] = views[0][n:]
+            if sync:
+                self._io_site("fsync", path)
+                os.fdatasync(fd)
         except OSError as e:
             raise DiskError(f"writing {path} failed: {e.strerror} (errno {e.errno})") from e
         finally:
@@ -104,6 +137,7 @@ class DiskTier:
         trailer = bytearray(4)
         views = [memoryview(b).cast("B") for b in into] + [memoryview(trailer)]
         try:
+            self._io_site("read", path)
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise CorruptData(f"chunk file of {key!r} chunk {chunk} is missing: {path}",
@@ -137,6 +171,20 @@ class DiskTier:
         if stored != crc or checksum(views[:-1]) != crc:
             raise CorruptData(f"checksum mismatch in {key!r} chunk {chunk}: {path}", key, chunk)
 
+    def sync_paths(self, paths: Sequence[str]) -> None:
+        """Make files and folders durable: one ``syncfs`` for many paths, else fsync each."""
+        if len(paths) > _SYNCFS_ABOVE and _syncfs is not None:
+            self._io_site("fsync", self.data_dir)
+            fd = os.open(self.data_dir, os.O_RDONLY)
+            try:
+                if _syncfs(fd) != 0:
+                    err = ctypes.get_errno()
+                    raise DiskError(f"syncfs of {self.data_dir} failed: {os.strerror(err)}")
+            finally:
+                os.close(fd)
+        else:
+            self.fsync_paths(paths)
+
     def fsync_paths(self, paths: Sequence[str]) -> None:
         """fsync files and folders (folders make new entries durable)."""
         for p in paths:
@@ -147,6 +195,7 @@ class DiskTier:
             except OSError as e:
                 raise DiskError(f"cannot open {p} to fsync: {e.strerror}") from e
             try:
+                self._io_site("fsync", p)
                 os.fsync(fd)
             except OSError as e:
                 raise DiskError(f"fsync of {p} failed: {e.strerror} (errno {e.errno})") from e
@@ -156,6 +205,10 @@ class DiskTier:
     def delete_generation(self, key: str, generation: int) -> None:
         """Remove one generation's folder and its now-empty parents."""
         path = self.generation_dir(key, generation)
+        try:
+            self._io_site("delete", path)
+        except OSError:
+            return  # a folder left behind is an orphan: the next writer open deletes it
         shutil.rmtree(path, ignore_errors=True)
         parent = os.path.dirname(path)
         while parent != self.data_dir and os.path.commonpath([parent, self.data_dir]) == self.data_dir:

@@ -1,14 +1,15 @@
 """The RAM tier: chunks in stored form under a byte budget, with write-back and backpressure.
 
 Owned by the store's event loop thread: every method is called from that thread only, so the
-tier needs no lock. Bytes are reserved before a chunk is built, so the budget bounds the memory
-actually allocated, not just what has been inserted.
+tier needs no lock. Buffers are allocated through the tier before a chunk is built, so the budget
+bounds the memory actually allocated, not just what has been inserted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -40,8 +41,7 @@ class HostTier:
         #: called when a reservation cannot wait any longer; returns a reason or None to wait
         self.explain_stuck: Callable[[], str | None] = lambda: None
 
-    def allocate(self, nbytes: int) -> torch.Tensor:
-        """A fresh uint8 buffer (pinned when CUDA is present) for a reserved chunk."""
+    def _new_buffer(self, nbytes: int) -> torch.Tensor:
         if self.pin:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -50,22 +50,31 @@ class HostTier:
         """Whether a chunk of ``nbytes`` can ever be held."""
         return self.budget is None or nbytes <= self.budget
 
-    def try_reserve(self, nbytes: int) -> bool:
-        """Reserve ``nbytes`` now if evicting clean chunks makes room; never waits."""
+    def try_alloc(self, nbytes: int) -> torch.Tensor | None:
+        """A buffer of ``nbytes`` counted in the budget, evicting clean chunks; None if full.
+
+        An evicted buffer of the same size is handed over as it is: in steady state the tier
+        recycles its buffers instead of faulting in fresh pages for every chunk.
+        """
         if self.budget is not None:
-            while self.used + nbytes > self.budget and self._evict_one():
-                pass
-            if self.used + nbytes > self.budget:
-                return False
+            while self.used + nbytes > self.budget:
+                victim = self._evict_one()
+                if victim is None:
+                    return None
+                # recycle only a buffer nobody else references (a reader may still be copying
+                # from it): the local name and getrefcount's argument are the only two refs
+                if victim.numel() == nbytes and sys.getrefcount(victim) <= 2:
+                    return victim  # its bytes stay counted: they move to the new owner
+                self.used -= victim.numel()
         self.used += nbytes
         self.peak = max(self.peak, self.used)
-        return True
+        return self._new_buffer(nbytes)
 
-    async def reserve(self, nbytes: int) -> None:
-        """Reserve ``nbytes``, waiting for write-backs to free room (backpressure)."""
+    async def alloc(self, nbytes: int) -> torch.Tensor:
+        """A buffer of ``nbytes``, waiting for write-backs to free room (backpressure)."""
         if not self.fits(nbytes):
             raise BudgetError(f"a chunk of {nbytes} B is larger than the RAM budget ({self.budget} B)")
-        while not self.try_reserve(nbytes):
+        while (buf := self.try_alloc(nbytes)) is None:
             reason = self.explain_stuck()
             if reason is not None:
                 raise BudgetError(f"RAM budget full and nothing can be freed: {reason}")
@@ -74,14 +83,15 @@ class HostTier:
                 await asyncio.wait_for(self._freed.wait(), timeout=1.0)
             except asyncio.TimeoutError:
                 pass
+        return buf
 
-    def release(self, nbytes: int) -> None:
-        """Return reserved bytes that were not inserted."""
-        self.used -= nbytes
+    def release(self, buf: torch.Tensor) -> None:
+        """Return an allocated buffer that was not inserted."""
+        self.used -= buf.numel()
         self._freed.set()
 
     def insert(self, cid: ChunkId, data: torch.Tensor, dirty: bool) -> None:
-        """Insert a chunk whose bytes were reserved."""
+        """Insert a chunk whose buffer came from ``alloc``/``try_alloc``."""
         old = self._entries.pop(cid, None)
         if old is not None:
             self.used -= old.data.numel()
@@ -122,10 +132,10 @@ class HostTier:
         """Chunks not yet on disk."""
         return sum(e.dirty for e in self._entries.values())
 
-    def _evict_one(self) -> bool:
+    def _evict_one(self) -> torch.Tensor | None:
+        """Remove the least recently used clean chunk; its bytes stay counted until released."""
         for cid, e in self._entries.items():
             if not e.dirty:
                 del self._entries[cid]
-                self.used -= e.data.numel()
-                return True
-        return False
+                return e.data
+        return None

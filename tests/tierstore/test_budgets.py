@@ -1,0 +1,80 @@
+"""Tier budgets hold under a random mixed workload; the content matches a model dict."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+import tierstore
+
+
+def test_random_workload_respects_budgets(tmp_path) -> None:
+    ram, window = 256 * 1024, 128 * 1024
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    rng = random.Random(7)
+    model: dict[str, torch.Tensor] = {}
+    committed: dict[str, torch.Tensor] = {}
+    with tierstore.open(tmp_path, ram_budget=ram, device_budget=window, chunk_bytes="8KiB",
+                        keep_last=2) as s:
+        for op_i in range(400):
+            op = rng.choice(["put", "put", "get", "get", "getdev", "slice", "delete", "commit",
+                             "prefetch", "step"])
+            key = f"k{rng.randrange(12)}"
+            if op == "put":
+                n = rng.choice([1, 100, 3000, 20000, 70000])
+                t = torch.randn(n) if rng.random() < 0.7 else torch.randint(0, 9, (n // 2 + 1, 2))
+                s.put(key, t, codec=rng.choice(["raw", "raw", "zstd"]))
+                model[key] = t
+            elif op in ("get", "getdev", "slice") and key in model:
+                want = model[key]
+                if op == "get":
+                    assert torch.equal(s.get(key), want)
+                elif op == "slice":
+                    a = rng.randrange(want.shape[0])
+                    assert torch.equal(s.get(key, index=slice(a, a + 50)), want[a : a + 50])
+                elif want.numel() * want.element_size() <= window:
+                    got = s.get(key, device=dev)
+                    assert torch.equal(got.cpu(), want)
+                    del got
+            elif op == "delete" and key in model:
+                s.delete(key)
+                del model[key]
+            elif op == "commit":
+                s.commit(step=op_i)
+                committed = dict(model)
+            elif op == "prefetch" and model:
+                s.prefetch(rng.sample(sorted(model), min(3, len(model))),
+                           to=rng.choice(["host", "device"]))
+            elif op == "step":
+                s.mark_step()
+            st = s.stats()
+            assert st["host_bytes"] <= ram and st["device_bytes"] <= window
+        st = s.stats()
+        assert 0 < st["peak_host_bytes"] <= ram
+        assert 0 < st["peak_device_bytes"] <= window
+        assert st["reads_disk"] > 0 and st["hits_host"] > 0 and st["hits_device"] >= 0
+        s.commit()
+        committed = dict(model)
+    with tierstore.open(tmp_path, mode="r") as r:
+        assert r.keys() == sorted(committed)
+        for k, t in committed.items():
+            assert torch.equal(r.get(k), t)
+        assert r.verify() == []
+
+
+def test_predictor_learns_a_repeated_order(tmp_path) -> None:
+    with tierstore.open(tmp_path, ram_budget="1MiB", chunk_bytes="16KiB") as s:
+        keys = [f"layers.{i}.w" for i in range(8)]
+        for k in keys:
+            s.put(k, torch.randn(4096))
+        s.commit()
+        assert s.stats()["prediction_accuracy"] is None
+        for _ in range(3):
+            for k in keys:
+                s.get(k)
+            s.mark_step()
+        acc = s.stats()["prediction_accuracy"]
+        # after the first step every read but the first of each step was announced in advance
+        assert acc is not None and acc >= (len(keys) - 1) / len(keys) - 1e-9
+        assert s.stats()["prefetched_chunks"] >= 0

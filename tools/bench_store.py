@@ -1,0 +1,145 @@
+"""Store throughput vs the raw disk and memcpy, measured in one run.
+
+    python -m tools.bench_store [--dir DIR] [--size 1GiB] [--tensor 64MiB] [--repeats 3]
+
+- put: sequential puts of fp32 tensors through ``commit`` (fsync'd) vs a plain Python
+  write + fsync of the same bytes to files on the same disk;
+- cold get: a fresh read-only open after evicting the files from the page cache
+  (posix_fadvise DONTNEED) vs plain reads of the baseline files, evicted the same way;
+- warm get: a get served by the RAM tier vs a memcpy of the same bytes into a new tensor.
+Each figure is the median of ``--repeats`` runs; the ratios are what to compare across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+import tierstore
+from tierstore.config import human_bytes, parse_size
+
+
+def evict(path: str) -> None:
+    """Drop a file's (or a folder's files') pages from the page cache."""
+    paths = [path]
+    if os.path.isdir(path):
+        paths = [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def median_time(fn: Callable[[], None], repeats: int, setup: Callable[[], None] | None = None) -> float:
+    """Median wall time of ``fn`` over ``repeats`` runs (``setup`` untimed before each)."""
+    times = []
+    for _ in range(repeats):
+        if setup:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run(root: str, total: int, tensor_bytes: int, repeats: int) -> list[tuple[str, float, float]]:
+    """Run every benchmark; return rows of (name, store GB/s, baseline GB/s)."""
+    n = max(1, total // tensor_bytes)
+    tensors = [torch.randn(tensor_bytes // 4) for _ in range(n)]
+    nbytes = n * tensor_bytes
+    raw_dir = os.path.join(root, "raw")
+    store_dir = os.path.join(root, "store")
+    opts = dict(ram_budget=max(4 * tensor_bytes, 256 << 20), device_budget=None, chunk_bytes="16MiB")
+
+    def clean() -> None:
+        for d in (raw_dir, store_dir):
+            shutil.rmtree(d, ignore_errors=True)
+        os.makedirs(raw_dir)
+
+    def raw_write() -> None:
+        for i, t in enumerate(tensors):
+            with open(os.path.join(raw_dir, f"t{i}"), "wb") as f:
+                f.write(t.numpy().data)
+                f.flush()
+                os.fsync(f.fileno())
+        fd = os.open(raw_dir, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+    def store_put() -> None:
+        with tierstore.open(store_dir, mode="w", **opts) as s:
+            for i, t in enumerate(tensors):
+                s.put(f"layers.{i}.weight", t)
+            s.commit(step=0)
+
+    rows = []
+    raw_w = median_time(raw_write, repeats, clean)
+    st_w = median_time(store_put, repeats, clean)
+    raw_write()  # the files the read baseline reads
+    rows.append(("put + commit (fsync)", nbytes / st_w, nbytes / raw_w))
+
+    def raw_read() -> None:
+        for i in range(n):
+            with open(os.path.join(raw_dir, f"t{i}"), "rb", buffering=0) as f:
+                out = torch.empty(tensor_bytes // 4)
+                f.readinto(out.numpy().data)
+
+    def store_get() -> None:
+        with tierstore.open(store_dir, mode="r", **opts) as s:
+            for i in range(n):
+                s.get(f"layers.{i}.weight")
+
+    raw_r = median_time(raw_read, repeats, lambda: evict(raw_dir))
+    st_r = median_time(store_get, repeats, lambda: evict(store_dir))
+    rows.append(("cold get (page cache dropped)", nbytes / st_r, nbytes / raw_r))
+
+    with tierstore.open(store_dir, mode="r", **opts) as s:
+        keys = [f"layers.{i}.weight" for i in range(min(n, 2))]
+        for k in keys:
+            s.get(k)  # now in the RAM tier
+        warm_bytes = len(keys) * tensor_bytes
+        st_h = median_time(lambda: [s.get(k) for k in keys], repeats * 3)
+        hits = s.stats()["hits_host"]
+    src = tensors[: len(keys)]
+    memcpy = median_time(lambda: [torch.empty_like(t).copy_(t) for t in src], repeats * 3)
+    assert hits > 0
+    rows.append(("warm get (RAM tier) vs memcpy", warm_bytes / st_h, warm_bytes / memcpy))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the table of throughputs and ratios."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=None, help="a folder on the disk to measure (default: temp)")
+    ap.add_argument("--size", default="1GiB", help="bytes written and read in total")
+    ap.add_argument("--tensor", default="64MiB", help="bytes per tensor")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    total, tensor_bytes = parse_size(args.size), parse_size(args.tensor)
+    assert total and tensor_bytes
+    root = tempfile.mkdtemp(prefix="tierstore-bench-", dir=args.dir)
+    try:
+        rows = run(root, total, tensor_bytes, args.repeats)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"tierstore bench: {human_bytes(total)} in {human_bytes(tensor_bytes)} fp32 tensors, "
+          f"median of {args.repeats}, {os.cpu_count()} cores")
+    print(f"{'':34} {'store GB/s':>10} {'baseline GB/s':>14} {'ratio':>7}")
+    for name, st, base in rows:
+        print(f"{name:34} {st / 1e9:10.2f} {base / 1e9:14.2f} {st / base:7.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""Errors of the command-line tools, each carrying the exit code the command returns."""
+
+from __future__ import annotations
+
+#: exit codes of every ``tierstore`` command
+EXIT_OK = 0
+EXIT_FAULT = 1  # the command ran and found a fault (corrupt store, malformed input file)
+EXIT_USAGE = 2  # the command could not run as asked (arguments, missing paths, missing modules)
+
+
+class ToolError(Exception):
+    """A failure the command reports as one line on stderr, then exits with ``exit_code``."""
+
+    exit_code = EXIT_FAULT
+
+
+class UsageError(ToolError):
+    """The arguments name something that does not exist or cannot be used; exit code 2."""
+
+    exit_code = EXIT_USAGE
+
+
+class MalformedInput(ToolError):
+    """An input file (safetensors, index, config) breaks its format; the message names it."""
+
+    exit_code = EXIT_FAULT
