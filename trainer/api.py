@@ -265,7 +265,7 @@ class Trainer:
         opt = StoreAdamW(store, groups, _no_decay_names(self.model), _session.optimizer_compression, self._lock)
         worker = UpdateWorker(opt.update_group)
         engine = StreamingEngine(self.parts, store, _device(), bf16=args.bf16, store_lock=self._lock,
-                                 before_fetch=worker.wait_group)
+                                 before_fetch=worker.wait_group, window_bytes=store.stats().get("device_budget"))
         clip = args.clip_norm
         all_params = self.parts.all_params()
         bar = tqdm(total=total, initial=start, disable=args.disable_tqdm, desc="train", dynamic_ncols=True)

@@ -81,7 +81,7 @@ class StreamingEngine:
 
     def __init__(self, parts: ModelParts, store: Any, device: torch.device, bf16: bool = False,
                  store_lock: contextlib.AbstractContextManager[Any] | None = None,
-                 before_fetch: Callable[[int], None] | None = None) -> None:
+                 before_fetch: Callable[[int], None] | None = None, window_bytes: int | None = None) -> None:
         self.parts = parts
         self.store = store
         self.device = device
@@ -94,15 +94,21 @@ class StreamingEngine:
         if parts.tied:
             self.reads[-1].append(parts.head_params["weight"])
         self.body_prefix = f"{parts.body_name}." if parts.body_name else ""
-        self.stall_s = 0.0
+        self.window_bytes = window_bytes
+        self.read_bytes = [sum(int(store.info(n).nbytes) for n in names) for names in self.reads]
 
     # -- weights ---------------------------------------------------------------------------
-    def _prefetch(self, g: int) -> None:
-        if 0 <= g < len(self.groups):
-            if self.before_fetch is not None:
-                self.before_fetch(g)
-            with self.lock:
-                self.store.prefetch(self.reads[g], to="device")
+    def _prefetch(self, g: int, current: int) -> None:
+        """Hint group ``g`` while group ``current`` is held: to the device when both fit the window."""
+        if not 0 <= g < len(self.groups):
+            return
+        if self.before_fetch is not None:
+            self.before_fetch(g)  # never prefetch weights an update has yet to write
+        both = self.read_bytes[g] + self.read_bytes[current]
+        # A window too small for two pieces gets no double buffering: warm the RAM tier instead.
+        to = "device" if self.window_bytes is None or both <= self.window_bytes else "host"
+        with self.lock:
+            self.store.prefetch(self.reads[g], to=to)
 
     def _fetch(self, g: int, grad: bool) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
         """Group ``g``'s weights from the device window, and the window tensors to hold meanwhile.
@@ -190,7 +196,7 @@ class StreamingEngine:
         # Forward without autograd, keeping only the layer-boundary activations.
         with torch.no_grad():
             w, held = self._fetch(0, grad=False)
-            self._prefetch(1)
+            self._prefetch(1, 0)
             rng.append(self._rng_state())
             cap = self._prelude(w, batch)
             del w, held
@@ -200,14 +206,14 @@ class StreamingEngine:
             boundary.append(h)
             for i in range(n_layers):
                 w, held = self._fetch(i + 1, grad=False)
-                self._prefetch(i + 2)
+                self._prefetch(i + 2, i + 1)
                 rng.append(self._rng_state())
                 h = self._layer(i, w, h, cap)
                 del w, held
                 boundary.append(h)
         # Norm + head + loss with autograd; their backward runs right away.
         w, held = self._fetch(head_g, grad=True)
-        self._prefetch(n_layers)
+        self._prefetch(n_layers, head_g)
         x = boundary.pop().detach().requires_grad_()
         logits = self._head(w, x)
         loss_sum = causal_lm_loss_sum(logits, batch["labels"])
@@ -221,7 +227,7 @@ class StreamingEngine:
         # Layers in reverse: re-fetch, recompute with autograd, backprop the boundary gradient.
         for i in reversed(range(n_layers)):
             w, held = self._fetch(i + 1, grad=True)
-            self._prefetch(i)  # group i is layer i-1, or the prelude when i == 0
+            self._prefetch(i, i + 1)  # group i is layer i-1, or the prelude when i == 0
             x = boundary.pop().detach().requires_grad_()
             with torch.enable_grad(), self._rng(rng[i + 1]):
                 out = self._layer(i, w, x, cap)
