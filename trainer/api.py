@@ -8,6 +8,7 @@ the last commit's step with the same data order and RNG state.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -51,6 +52,7 @@ class SessionConfig:
 
 _session = SessionConfig()
 _open_stores: dict[str, Any] = {}
+_exit_hook = False
 
 
 def _budget(gb: float | str | None, what: str) -> int | str | None:
@@ -99,8 +101,22 @@ def open_store(path: str, mode: str = "a") -> Any:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     store = tierstore.open(path, mode=mode, ram_budget=_session.ram_budget, device_budget=_session.device_budget,
                            device=str(_device()))
+    global _exit_hook
+    if not _exit_hook:
+        _exit_hook = True
+        # A store left open (a failed run) must be closed before interpreter teardown stops its
+        # event-loop thread; closing it from a finalizer after that point hangs the exit.
+        atexit.register(_close_all)
     _open_stores[path] = store
     return store
+
+
+def _close_all() -> None:
+    for store in list(_open_stores.values()):
+        try:
+            close_store(store)
+        except Exception:  # noqa: BLE001  (exit must go on; the last commit is intact on disk)
+            pass
 
 
 def close_store(store: Any) -> None:
@@ -279,7 +295,7 @@ class Trainer:
                     break
                 t0 = time.perf_counter()
                 stall0 = float(store.stats().get("stall_s", 0.0))
-                upd0 = opt.update_s
+                upd0 = opt.busy_s
                 lr = learning_rate_at(args, step, total)
                 hyper = AdamWHyper(lr, args.adam_beta1, args.adam_beta2, args.adam_epsilon, args.weight_decay)
                 num_items = sum(count_loss_tokens(b["labels"]) for b in micro)
@@ -308,7 +324,7 @@ class Trainer:
                 window.append((last_loss, lr, grad_norm, stall, tokens))
                 self.state.global_step = done
                 if done % args.logging_steps == 0 or done == 1 or done == end:
-                    self._log(done, window, step_s, opt.update_s - upd0)
+                    self._log(done, window, step_s, opt.busy_s - upd0)
                     window = []
                 if saving:
                     self._save_state(done)

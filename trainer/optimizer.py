@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,6 +87,9 @@ class StoreAdamW:
         self.m_codec, self.v_codec = moment_codecs(compression)
         self.lock = lock
         self.update_s = 0.0
+        """Seconds of AdamW arithmetic."""
+        self.busy_s = 0.0
+        """Seconds of whole group updates: store reads and writes plus the arithmetic."""
 
     def _codecs(self, t: torch.Tensor) -> tuple[Any, Any]:
         if t.numel() < SMALL_NUMEL or t.dim() < 2:
@@ -110,8 +114,7 @@ class StoreAdamW:
     def update_group(self, g: int, step: int, h: AdamWHyper, clip_coef: float | None,
                      grads: dict[str, torch.Tensor] | None = None) -> None:
         """Update group ``g`` at 1-based ``step``; gradients from ``grads`` or from the store."""
-        import time
-
+        start = time.perf_counter()
         for name in self.groups[g]:
             with self.lock:
                 param = self.store.get(name).clone()
@@ -133,6 +136,7 @@ class StoreAdamW:
                 self.store.put(name, param, codec="raw")
                 self.store.put(EXP_AVG + name, m, codec=mc)
                 self.store.put(EXP_AVG_SQ + name, v, codec=vc)
+        self.busy_s += time.perf_counter() - start
 
 
 class UpdateWorker:

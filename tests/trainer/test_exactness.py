@@ -91,3 +91,16 @@ def test_log_history_fields(llama_run: dict[str, Any]) -> None:
         assert key in entry
     assert [e["step"] for e in llama_run["log"]] == list(range(1, STEPS + 1))
     assert entry["grad_norm"] > 0 and entry["tokens_per_s"] > 0
+
+
+def test_bf16_compute_tracks_fp32(dataset: Any, tmp_path: Any) -> None:
+    losses = {}
+    for bf16 in (False, True):
+        args = TrainingArguments(output_dir=str(tmp_path / str(bf16)), per_device_train_batch_size=4, max_steps=3,
+                                 logging_steps=1, save_steps=0, bf16=bf16, learning_rate=1e-3, disable_tqdm=True)
+        tr = train_streaming(build(llama_config(2)), dataset, args, vram="1MiB", ram="4MiB")
+        tr.close()
+        losses[bf16] = [e["loss"] for e in tr.state.log_history]
+    assert losses[True] != losses[False]  # bf16 really computed in bf16
+    for a, b in zip(losses[True], losses[False], strict=True):
+        assert abs(a - b) < 1e-2 * b
