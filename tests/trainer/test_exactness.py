@@ -6,8 +6,7 @@ from typing import Any
 
 import pytest
 import torch
-
-from tests.trainer.plain_reference import (
+from plain_reference import (
     build,
     clone,
     gpt2_config,
@@ -16,6 +15,7 @@ from tests.trainer.plain_reference import (
     train_streaming,
     weight_bytes,
 )
+
 from trainer.args import TrainingArguments
 
 STEPS = 6

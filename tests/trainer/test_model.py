@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 import torch
+from plain_reference import build, gpt2_config, llama_config, weight_bytes
 from torch import nn
 from transformers import MistralConfig, Qwen2Config
 
 import trainer as mt
-from tests.trainer.plain_reference import build, gpt2_config, llama_config, weight_bytes
 from trainer.args import TrainingArguments
 from trainer.model import UnsupportedModelError, decompose
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from plain_reference import build, clone, llama_config, train_streaming, weight_bytes
 from transformers import AutoModelForCausalLM
 
-from tests.trainer.plain_reference import build, clone, llama_config, train_streaming, weight_bytes
 from trainer.args import TrainingArguments
 
 
