@@ -1,6 +1,6 @@
 """Benchmark: the streaming trainer vs plain in-memory PyTorch training of the same model and batch.
 
-    python -m tools.bench_trainer [--steps 5] [--batch 8] [--seq 256] [--dir DIR]
+    python -m tools.bench_trainer [--steps 4] [--rounds 2] [--batch 8] [--seq 256] [--dir DIR]
 
 Plain PyTorch runs twice (with ``gradient_checkpointing_enable`` and without); the streaming
 trainer runs with its device window at a quarter of the weights and its RAM budget below the
@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+RUNS = ("plain PyTorch", "plain PyTorch + gradient checkpointing", "streaming trainer (tierstore)")
 
 
 def _config(a: argparse.Namespace) -> Any:
@@ -74,13 +76,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="tools.bench_trainer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=5, help="timed steps per run (after one warm-up step)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per run (after one warm-up step)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--intermediate", type=int, default=1472)
     p.add_argument("--layers", type=int, default=7)
     p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2, help="alternating rounds of the three runs")
     p.add_argument("--dir", default=None, help="where the store goes (default: a temporary folder)")
     a = p.parse_args(argv)
     folder = a.dir or tempfile.mkdtemp(prefix="bench-trainer-")
@@ -99,24 +102,34 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{torch.get_num_threads()} threads")
     print(f"streaming budgets: device window {vram / 2**20:.1f} MiB (1/4 of the weights), "
           f"RAM {ram / 2**20:.1f} MiB (1/2 of the training state)")
-    rows = []
-    for name, ckpt in (("plain PyTorch", False), ("plain PyTorch + gradient checkpointing", True)):
+    # Rounds alternate the three runs, so that load from other processes falls on all of them.
+    times: dict[str, list[float]] = {name: [] for name in RUNS}
+    stalls: list[float] = []
+    busy = total = 0.0
+    stats: dict[str, Any] = {}
+    load0 = os.getloadavg()[0]
+    for r in range(a.rounds):
+        for name, ckpt in ((RUNS[0], False), (RUNS[1], True)):
+            m = AutoModelForCausalLM.from_config(config)
+            m.load_state_dict(init)
+            times[name] += _plain(m, batches, ckpt)
+            del m
         m = AutoModelForCausalLM.from_config(config)
         m.load_state_dict(init)
-        step = statistics.median(_plain(m, batches, ckpt))
-        rows.append((name, step, None, None))
-        del m
-    m = AutoModelForCausalLM.from_config(config)
-    m.load_state_dict(init)
-    try:
-        log, stats = _streaming(m, dataset, a, vram, ram, folder)
-    finally:
-        if a.dir is None:
-            shutil.rmtree(folder, ignore_errors=True)
-    step = statistics.median(e["step_s"] for e in log)
-    stall = statistics.median(e["stall_s"] for e in log)
-    opt_share = sum(e["optimizer_s"] for e in log) / sum(e["step_s"] for e in log)
-    rows.append(("streaming trainer (tierstore)", step, stall, opt_share))
+        sub = os.path.join(folder, f"round{r}")
+        try:
+            log, stats = _streaming(m, dataset, a, vram, ram, sub)
+        finally:
+            shutil.rmtree(sub, ignore_errors=True)
+        times[RUNS[2]] += [e["step_s"] for e in log]
+        stalls += [e["stall_s"] for e in log]
+        busy += sum(e["optimizer_s"] for e in log)
+        total += sum(e["step_s"] for e in log)
+    if a.dir is None:
+        shutil.rmtree(folder, ignore_errors=True)
+    rows = [(RUNS[0], statistics.median(times[RUNS[0]]), None, None),
+            (RUNS[1], statistics.median(times[RUNS[1]]), None, None),
+            (RUNS[2], statistics.median(times[RUNS[2]]), statistics.median(stalls), busy / total)]
     base = rows[0][1]
     print(f"{'run':42s} {'step s':>8s} {'tokens/s':>9s} {'vs plain':>9s} {'stall s':>8s} {'optimizer':>9s}")
     for name, s, st, share in rows:
@@ -125,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"streaming store: peak device {stats['peak_device_bytes'] / 2**20:.1f} MiB, peak host "
           f"{stats['peak_host_bytes'] / 2**20:.1f} MiB, disk read {stats['bytes_read_disk'] / 2**20:.0f} MiB, "
           f"written {stats['bytes_written_disk'] / 2**20:.0f} MiB, h2d {stats['bytes_h2d'] / 2**20:.0f} MiB")
+    print(f"load average (1 min) before/after: {load0:.2f}/{os.getloadavg()[0]:.2f}; "
+          f"{a.rounds} rounds x {a.steps} timed steps per run; medians")
     print("optimizer = share of the streaming step spent in the CPU AdamW update (worker thread, overlapped)")
     return 0
 

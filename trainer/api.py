@@ -197,7 +197,11 @@ class TrainOutput:
 
 
 class Trainer:
-    """Layer-streaming trainer for a Hugging Face causal LM; weights and state live in a Store."""
+    """Layer-streaming trainer for a Hugging Face causal LM; weights and state live in a Store.
+
+    A model with real weights hands them to the store when training starts and is left as a
+    meta-device skeleton (the store holds the only copy; ``save_model`` writes them out).
+    """
 
     def __init__(self, model: nn.Module, train_dataset: Any, args: Any = None, pad_token_id: int = 0) -> None:
         self.model = model
@@ -259,10 +263,16 @@ class Trainer:
 
     # -- the loop --------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: bool | str | None = None, stop_at_step: int | None = None) -> TrainOutput:
-        """Train to max_steps/num_train_epochs; ``stop_at_step`` ends early after a checkpoint."""
+        """Train to max_steps/num_train_epochs; ``stop_at_step`` ends early after a checkpoint.
+
+        ``resume_from_checkpoint``: True resumes from the run's store (offload_dir or
+        <output_dir>/store); a path names the store folder to resume from.
+        """
         from tqdm.auto import tqdm
 
         args = self.args
+        if isinstance(resume_from_checkpoint, (str, os.PathLike)) and self._store is None:
+            self._store = open_store(os.fspath(resume_from_checkpoint))
         store = self.store
         if resume_from_checkpoint:
             self._check_weights()

@@ -96,6 +96,13 @@ class StreamingEngine:
         self.body_prefix = f"{parts.body_name}." if parts.body_name else ""
         self.window_bytes = window_bytes
         self.read_bytes = [sum(int(store.info(n).nbytes) for n in names) for names in self.reads]
+        biggest = max(range(len(self.reads)), key=self.read_bytes.__getitem__)
+        if window_bytes is not None and self.read_bytes[biggest] > window_bytes:
+            raise ValueError(
+                f"the device window ({window_bytes} B) is smaller than one piece of the model "
+                f"({self.groups[biggest][0]}: {self.read_bytes[biggest]} B); each piece must fit: "
+                "raise max_vram_gb"
+            )
 
     # -- weights ---------------------------------------------------------------------------
     def _prefetch(self, g: int, current: int) -> None:
