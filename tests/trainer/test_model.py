@@ -129,7 +129,9 @@ def test_load_model_streams_a_sharded_checkpoint_in_little_ram(tmp_path: Any) ->
     want = float(src.model.layers[3].mlp.up_proj.weight.detach().double().sum())
     n_params = len(list(src.named_parameters()))
     del src
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    # glibc keeps freed blocks of its per-thread arenas mapped; returning them at once makes the
+    # RSS show what the code holds, not how the allocator caches (about 100 MB of noise otherwise).
+    env = dict(os.environ, PYTHONPATH=ROOT, MALLOC_TRIM_THRESHOLD_="0", MALLOC_MMAP_THRESHOLD_="65536")
     out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "ckpt"), str(tmp_path / "store")],
                          capture_output=True, text=True, env=env, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -137,5 +139,5 @@ def test_load_model_streams_a_sharded_checkpoint_in_little_ram(tmp_path: Any) ->
     assert r["keys"] == n_params
     assert r["probe_sum"] == pytest.approx(want, rel=0, abs=1e-9)
     growth = r["peak"] - r["before"]
-    # The store's RAM budget is 32 MiB; the rest is one tensor in flight and malloc's free lists.
-    assert growth < size / 3, f"RSS grew by {growth / 1e6:.0f} MB while loading a {size / 1e6:.0f} MB model"
+    # The store's RAM budget is 32 MiB; the rest is one tensor in flight and the store's buffers.
+    assert growth < size / 4, f"RSS grew by {growth / 1e6:.0f} MB while loading a {size / 1e6:.0f} MB model"
