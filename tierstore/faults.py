@@ -25,6 +25,8 @@ class FaultPlan:
     fail_calls: set[int] = dataclasses.field(default_factory=set)
     #: fail every call at these sites (e.g. {"write"} for a full disk)
     fail_sites: set[str] = dataclasses.field(default_factory=set)
+    #: fail the first call at each of these (site, path) pairs: independent of thread timing
+    fail_at: set[tuple[str, str]] = dataclasses.field(default_factory=set)
     #: the errno raised
     error: int = errno.EIO
     #: count and fail only these sites
@@ -43,7 +45,9 @@ class FaultPlan:
             n = self.calls
             self.calls += 1
             self.log.append((n, site, path))
-        if n in self.fail_calls or site in self.fail_sites:
+            hit = (site, path) in self.fail_at
+            self.fail_at.discard((site, path))
+        if hit or n in self.fail_calls or site in self.fail_sites:
             raise OSError(self.error, f"{os.strerror(self.error)} (injected at {site} call {n})", path)
 
     def limit(self, nbytes: int) -> int:

@@ -10,7 +10,8 @@ import torch
 
 from tierstore.codecs import Codec, from_spec
 from tierstore.dtypes import dtype_name, torch_dtype
-from tierstore.errors import CorruptData
+from tierstore.errors import CorruptData, StoreError
+from tierstore.keys import validate_key
 from tierstore.layout import ChunkGrid
 
 
@@ -68,15 +69,24 @@ class GenRecord:
 
     @classmethod
     def from_json(cls, raw: bytes) -> GenRecord:
-        """Parse a catalog record; CorruptData if it is malformed."""
+        """Parse and check a catalog record; CorruptData if it is malformed or inconsistent."""
         try:
             d = json.loads(raw)
-            return cls(
-                key=str(d["key"]), generation=int(d["generation"]), dtype=str(d["dtype"]),
-                codec=dict(d["codec"]), grid=ChunkGrid.from_json(d["grid"]),
+            rec = cls(
+                key=validate_key(d["key"]), generation=int(d["generation"]),
+                dtype=str(d["dtype"]), codec=dict(d["codec"]), grid=ChunkGrid.from_json(d["grid"]),
                 chunks=tuple((int(n), int(c)) for n, c in d["chunks"]),
             )
-        except (ValueError, KeyError, TypeError) as e:
+            torch_dtype(rec.dtype)
+            rec.codec_obj  # noqa: B018  (the spec must name a registered codec)
+            g = rec.grid
+            if (rec.generation < 1 or any(s < 0 for s in g.shape) or g.rows < 1
+                    or not (0 <= g.split_dim < max(1, len(g.shape)))):
+                raise ValueError(f"impossible grid {g} or generation {rec.generation}")
+            if len(rec.chunks) != g.n_chunks or any(n < 0 or not 0 <= c < 2**32 for n, c in rec.chunks):
+                raise ValueError(f"{len(rec.chunks)} chunk entries for a grid of {g.n_chunks}")
+            return rec
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, StoreError) as e:
             raise CorruptData(f"malformed generation record in the catalog: {e}") from None
 
     @staticmethod
@@ -122,11 +132,14 @@ class Commit:
 
     @classmethod
     def from_json(cls, raw: bytes) -> Commit:
-        """Parse a catalog record; CorruptData if it is malformed."""
+        """Parse and check a catalog record; CorruptData if it is malformed."""
         try:
             d = json.loads(raw)
             step = d["step"]
+            gens = {validate_key(k): int(v) for k, v in d["generations"].items()}
+            if any(g < 1 for g in gens.values()):
+                raise ValueError("generation ids start at 1")
             return cls(int(d["version"]), None if step is None else int(step), float(d["time"]),
-                       str(d["message"]), {str(k): int(v) for k, v in d["generations"].items()})
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
+                       str(d["message"]), gens)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, StoreError) as e:
             raise CorruptData(f"malformed commit record in the catalog: {e}") from None

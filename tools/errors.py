@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from tierstore.errors import StoreError
+
 #: exit codes of every ``tierstore`` command
 EXIT_OK = 0
 EXIT_FAULT = 1  # the command ran and found a fault (corrupt store, malformed input file)
 EXIT_USAGE = 2  # the command could not run as asked (arguments, missing paths, missing modules)
 
 
-class ToolError(Exception):
-    """A failure the command reports as one line on stderr, then exits with ``exit_code``."""
+class ToolError(StoreError):
+    """A failure the command reports as one line on stderr, then exits with ``exit_code``.
+
+    Part of the one error hierarchy: ``except tierstore.StoreError`` catches these too.
+    """
 
     exit_code = EXIT_FAULT
 

@@ -61,7 +61,7 @@ def hf_config(store: tierstore.Store, config_path: str | None, cast: torch.dtype
                              "folder, or pass --config PATH, or use --format safetensors)")
     try:
         config = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise UsageError(f"config.json is not valid JSON: {e}") from None
     if not isinstance(config, dict):
         raise UsageError("config.json must hold a JSON object")

@@ -41,7 +41,7 @@ def _index_files(folder: str) -> list[str]:
     try:
         with open(path, "rb") as f:
             index = json.loads(f.read().decode("utf-8"))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise MalformedInput(f"{path}: not valid UTF-8 JSON ({e})") from None
     wmap = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wmap, dict) or not all(
@@ -108,7 +108,7 @@ def hf_json_files(src: str) -> dict[str, bytes]:
             raw = f.read()
         try:
             ok = isinstance(json.loads(raw.decode("utf-8")), dict)
-        except ValueError:
+        except (ValueError, RecursionError):
             ok = False
         if not ok:
             raise MalformedInput(f"{path}: not a JSON object")

@@ -125,7 +125,7 @@ def _read_header(path: str) -> SafetensorsHeader:
         blob = f.read(n)
     try:
         header = json.loads(blob.decode("utf-8"), object_pairs_hook=_no_duplicates)
-    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except (ValueError, RecursionError) as e:  # Unicode/JSONDecodeError are ValueErrors
         raise MalformedInput(f"the header is not valid UTF-8 JSON ({e})") from None
     if not isinstance(header, dict):
         raise MalformedInput(f"the header is JSON {type(header).__name__}, not an object")

@@ -31,7 +31,7 @@ def load_trace(path: str) -> list[dict[str, Any]]:
     try:
         with open(path, "rb") as f:
             data = json.loads(f.read().decode("utf-8"))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise MalformedInput(f"{path}: not valid UTF-8 JSON ({e})") from None
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):

@@ -70,7 +70,7 @@ def load_tokens(paths: list[str]) -> Any:
         if path.endswith(".npy"):
             try:
                 arr = np.load(path, allow_pickle=False)
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:
                 raise MalformedInput(f"{path}: not a plain .npy array ({e})") from None
             if arr.dtype.kind not in "iu":
                 raise MalformedInput(f"{path}: token ids must be integers, got {arr.dtype}")
@@ -106,13 +106,13 @@ def model_source(path: str) -> Any:
     with open(path, "rb") as f:
         try:
             d = json.loads(f.read())
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise MalformedInput(f"{path}: not valid JSON ({e})") from None
     if not isinstance(d, dict) or "model_type" not in d:
         raise MalformedInput(f"{path}: a model config needs a \"model_type\"")
     try:
         return AutoConfig.for_model(**d)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise MalformedInput(f"{path}: {e}") from None
 
 
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     fields = {k: getattr(args, k) for k in [*FIELDS, "bf16"] if getattr(args, k) is not None}
     try:
         targs = mt.TrainingArguments(**fields)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise UsageError(str(e)) from None
     init = {k: getattr(args, k) for k in ("offload_dir", "max_ram_gb", "max_vram_gb")
             if getattr(args, k) is not None}

@@ -47,7 +47,7 @@ def check_metadata(store: tierstore.Store, key: str) -> list[tierstore.CorruptDa
         found = (attrs["key"], int(attrs["generation"]), tuple(meta["shape"]))
     except FileNotFoundError:
         return [tierstore.CorruptData(f"{key!r}: zarr.json is missing: {meta_path}", key, None)]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         return [tierstore.CorruptData(f"{key!r}: zarr.json is unreadable ({e}): {meta_path}",
                                       key, None)]
     faults = []

@@ -17,7 +17,7 @@ def test_sigkill_trials(tmp_path, monkeypatch) -> None:
     path = str(tmp_path / "store")
     steps = []
     for _ in range(5):
-        step, problems = crash_store.trial(path, seed=3, delay=rng.uniform(0.8, 2.5))
+        step, problems = crash_store.trial(path, seed=3, delay=rng.uniform(0.0, 1.0))
         assert problems == []
         steps.append(step)
-    assert any(s is not None for s in steps)  # at least one trial committed something
+    assert all(s is not None for s in steps)  # every kill came after a commit
