@@ -133,12 +133,27 @@ def close_store(store: Any) -> None:
 
 
 def load_model(path_or_config: Any) -> nn.Module:
-    """A meta-device skeleton of a causal LM whose weights are streamed into the session store."""
+    """A meta-device skeleton of a causal LM whose weights are streamed into the session store.
+
+    A store that already holds a training run's checkpoint keeps its weights (so that
+    ``resume_from_checkpoint`` continues the run); use a fresh ``offload_dir`` to start over.
+    """
     import tempfile
+    import warnings
 
     path = _session.offload_dir or tempfile.mkdtemp(prefix="trainer-store-")
     store = open_store(path)
-    model = model_mod.load_model(path_or_config, store)
+    if STATE_KEY in store.keys(prefix="trainer/") and store.versions():
+        model = model_mod.skeleton_for(path_or_config)
+        missing = [n for n in decompose(model).all_params() if n not in set(store.keys())]
+        if missing:
+            raise ValueError(f"the store at {path} holds a run of another model (lacks {missing[:3]}); "
+                             "use a fresh offload_dir")
+        warnings.warn(f"the store at {path} holds a training run (last commit at step "
+                      f"{store.versions()[-1].step}); its weights are kept, not replaced by "
+                      f"{path_or_config!r}", stacklevel=2)
+    else:
+        model = model_mod.load_model(path_or_config, store)
     model._trainer_store = store  # the Trainer finds the weights here
     return model
 

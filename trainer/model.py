@@ -269,8 +269,7 @@ def _init_into_store(model: nn.Module, store: Any, codec: str) -> None:
                 mod._parameters[n] = metas[n]
 
 
-def load_model(path_or_config: Any, store: Any, codec: str = "raw") -> nn.Module:
-    """A meta-device skeleton whose fp32 weights were streamed into ``store`` one tensor at a time."""
+def _config_and_files(path_or_config: Any) -> tuple[Any, list[str]]:
     from transformers import AutoConfig, PretrainedConfig
 
     if isinstance(path_or_config, PretrainedConfig):
@@ -284,6 +283,17 @@ def load_model(path_or_config: Any, store: Any, codec: str = "raw") -> nn.Module
             raise FileNotFoundError(f"{path}: no model.safetensors, model.safetensors.index.json or .safetensors file")
     else:
         raise TypeError(f"load_model takes a checkpoint path or a transformers config, got {type(path_or_config).__name__}")
+    return config, files
+
+
+def skeleton_for(path_or_config: Any) -> nn.Module:
+    """The meta-device skeleton of a checkpoint folder or config, without reading any weights."""
+    return _skeleton(_config_and_files(path_or_config)[0])
+
+
+def load_model(path_or_config: Any, store: Any, codec: str = "raw") -> nn.Module:
+    """A meta-device skeleton whose fp32 weights were streamed into ``store`` one tensor at a time."""
+    config, files = _config_and_files(path_or_config)
     model = _skeleton(config)
     parts = decompose(model)
     if not files:

@@ -141,3 +141,28 @@ def test_load_model_streams_a_sharded_checkpoint_in_little_ram(tmp_path: Any) ->
     growth = r["peak"] - r["before"]
     # The store's RAM budget is 32 MiB; the rest is one tensor in flight and the store's buffers.
     assert growth < size / 4, f"RSS grew by {growth / 1e6:.0f} MB while loading a {size / 1e6:.0f} MB model"
+
+
+def test_load_model_into_a_run_store_keeps_the_trained_weights_for_resume(dataset: Any, tmp_path: Any) -> None:
+    from trainer.api import close_store
+
+    src = build(llama_config(2))
+    src.save_pretrained(tmp_path / "ckpt")
+    mt.init(offload_dir=str(tmp_path / "store"), max_vram_gb="1MiB", max_ram_gb="1MiB", optimizer_compression=False)
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, logging_steps=1, save_steps=2,
+                             per_device_train_batch_size=2, disable_tqdm=True)
+    tr = mt.Trainer(model=mt.load_model(str(tmp_path / "ckpt")), train_dataset=dataset, args=args)
+    tr.train(stop_at_step=2)
+    trained = tr.store.get("model.norm.weight")
+    tr.close()
+    with pytest.warns(UserWarning, match="holds a training run"):
+        model = mt.load_model(str(tmp_path / "ckpt"))
+    store = model._trainer_store
+    try:
+        assert torch.equal(store.get("model.norm.weight"), trained)
+        assert not torch.equal(trained, src.model.norm.weight.detach())
+        tr = mt.Trainer(model=model, train_dataset=dataset, args=args)
+        tr.train(resume_from_checkpoint=True)
+        assert [e["step"] for e in tr.state.log_history] == [1, 2, 3, 4]
+    finally:
+        close_store(store)
