@@ -1,0 +1,190 @@
+"""CPU AdamW over store-resident fp32 master weights, gradients and (possibly compressed) moments.
+
+The update is ``torch.optim.AdamW``'s single-tensor formula, step for step (decoupled weight
+decay, bias correction, eps after the corrected square root), so that with raw codecs the
+trajectory equals plain PyTorch training. Store keys: the weight under its HF name, the
+accumulated gradient under ``grad/<name>``, the moments under ``opt/exp_avg/<name>`` and
+``opt/exp_avg_sq/<name>``.
+
+Overlap: the update runs per parameter group (the prelude, each layer, the head) on a worker
+thread. Global-norm clipping needs every gradient before any update, so with clipping on the
+updates are queued after backward in forward order and the next step's forward waits only for
+the group it is about to read; with clipping off each group is queued as soon as its final
+gradient leaves backward. Either way every update reads exactly the values a sequential step
+would, so overlap never changes the numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import tierstore
+
+GRAD = "grad/"
+EXP_AVG = "opt/exp_avg/"
+EXP_AVG_SQ = "opt/exp_avg_sq/"
+# Tensors this small (norm weights, biases) keep raw moments: compressing them saves nothing.
+SMALL_NUMEL = 4096
+
+
+def moment_codecs(compression: bool | str | None) -> tuple[Any, Any]:
+    """Codecs for (exp_avg, exp_avg_sq): True means q4; a missing codec falls back to raw."""
+    name = "q4" if compression is True else (compression or "raw")
+    if name == "raw":
+        return "raw", "raw"
+    if name not in tierstore.codecs.names():
+        warnings.warn(f"optimizer_compression={compression!r}: codec {name!r} is not available in "
+                      "tierstore.codecs; keeping Adam moments raw", stacklevel=3)
+        return "raw", "raw"
+    if name.startswith("q"):
+        # The second moment is non-negative: its unsigned mode never decodes a positive value to zero.
+        return tierstore.codecs.get(name, signed=True), tierstore.codecs.get(name, signed=False)
+    return name, name
+
+
+@dataclass(frozen=True, slots=True)
+class AdamWHyper:
+    """Hyper-parameters of one update."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+
+
+def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  step: int, h: AdamWHyper, weight_decay: float) -> None:
+    """One in-place AdamW update, the same operations as torch.optim.AdamW (single-tensor path)."""
+    if weight_decay != 0:
+        param.mul_(1 - h.lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - h.beta1)
+    exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
+    bias_correction1 = 1 - h.beta1**step
+    bias_correction2 = 1 - h.beta2**step
+    step_size = h.lr / bias_correction1
+    denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(h.eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+class StoreAdamW:
+    """AdamW whose every state tensor lives in a tierstore Store; one group updated at a time."""
+
+    def __init__(self, store: Any, groups: list[list[str]], no_decay: set[str], compression: bool | str | None,
+                 lock: contextlib.AbstractContextManager[Any]) -> None:
+        self.store = store
+        self.groups = groups
+        self.no_decay = no_decay
+        self.m_codec, self.v_codec = moment_codecs(compression)
+        self.lock = lock
+        self.update_s = 0.0
+        """Seconds of AdamW arithmetic."""
+        self.busy_s = 0.0
+        """Seconds of whole group updates: store reads and writes plus the arithmetic."""
+
+    def _codecs(self, t: torch.Tensor) -> tuple[Any, Any]:
+        if t.numel() < SMALL_NUMEL or t.dim() < 2:
+            return "raw", "raw"
+        return self.m_codec, self.v_codec
+
+    def accumulate(self, grads: dict[str, torch.Tensor], first: bool) -> dict[str, torch.Tensor]:
+        """Add one micro-batch's gradients to ``grad/<name>``; returns the running sums."""
+        out = {}
+        with self.lock:
+            for name, g in grads.items():
+                total = g if first else self.store.get(GRAD + name) + g
+                self.store.put(GRAD + name, total, codec="raw")
+                out[name] = total
+        return out
+
+    def add_accumulated(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The running sums plus this micro-batch's gradients, without writing them back."""
+        with self.lock:
+            return {name: self.store.get(GRAD + name) + g for name, g in grads.items()}
+
+    def update_group(self, g: int, step: int, h: AdamWHyper, clip_coef: float | None,
+                     grads: dict[str, torch.Tensor] | None = None) -> None:
+        """Update group ``g`` at 1-based ``step``; gradients from ``grads`` or from the store."""
+        start = time.perf_counter()
+        for name in self.groups[g]:
+            with self.lock:
+                param = self.store.get(name).clone()
+                grad = grads[name] if grads is not None else self.store.get(GRAD + name)
+                if step == 1:  # a fresh run: moments start at zero whatever an old store holds
+                    m = torch.zeros_like(param)
+                    v = torch.zeros_like(param)
+                else:
+                    m = self.store.get(EXP_AVG + name).to(torch.float32).clone()
+                    v = self.store.get(EXP_AVG_SQ + name).to(torch.float32).clone()
+            t0 = time.perf_counter()
+            if clip_coef is not None:
+                grad = grad * clip_coef  # torch multiplies by the clamped coefficient, 1.0 included
+            wd = 0.0 if name in self.no_decay else h.weight_decay
+            adamw_update_(param, grad.to(torch.float32), m, v, step, h, wd)
+            self.update_s += time.perf_counter() - t0
+            mc, vc = self._codecs(param)
+            with self.lock:
+                self.store.put(name, param, codec="raw")
+                self.store.put(EXP_AVG + name, m, codec=mc)
+                self.store.put(EXP_AVG_SQ + name, v, codec=vc)
+        self.busy_s += time.perf_counter() - start
+
+
+class UpdateWorker:
+    """A named thread that runs queued group updates; readers wait per group (``wait_group``)."""
+
+    def __init__(self, run: Callable[..., None]) -> None:
+        self._run = run
+        self._q: queue.Queue[tuple[int, tuple[Any, ...]] | None] = queue.Queue()
+        self._pending: dict[int, threading.Event] = {}
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="trainer-adamw", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            g, args = item
+            try:
+                if self._error is None:
+                    self._run(g, *args)
+            except BaseException as e:  # handed to the training thread at its next wait
+                self._error = e
+            finally:
+                self._pending[g].set()
+
+    def submit(self, g: int, *args: Any) -> None:
+        """Queue the update of group ``g``."""
+        self.wait_group(g)
+        self._pending[g] = threading.Event()
+        self._q.put((g, args))
+
+    def wait_group(self, g: int) -> None:
+        """Block until group ``g`` has no queued or running update."""
+        ev = self._pending.get(g)
+        if ev is not None:
+            ev.wait()
+            self._pending.pop(g, None)
+        if self._error is not None:
+            raise RuntimeError("the optimizer thread failed") from self._error
+
+    def wait_all(self) -> None:
+        """Block until every queued update is done."""
+        for g in list(self._pending):
+            self.wait_group(g)
+
+    def close(self) -> None:
+        """Finish queued work and stop the thread."""
+        self._q.put(None)
+        self._thread.join()

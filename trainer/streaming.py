@@ -1,0 +1,266 @@
+"""The layer-streaming engine: one micro-batch forward and backward with weights from the store.
+
+The model's own modules are the stateless templates: their parameters stay on the meta device and
+``torch.func.functional_call`` binds the tensors fetched from the store's device window just
+before each piece runs, while the next piece's weights are prefetched. Only the layer-boundary
+activations are kept (activation checkpointing at layer boundaries); backward walks the layers
+in reverse, re-fetches each layer's weights, recomputes it with autograd on, and hands the
+parameter gradients to a sink on the host at once.
+
+The prelude (embeddings, position tables, attention masks) is the body's own forward up to the
+first layer: the first layer is swapped for a module that raises with the arguments it was
+called with, so each layer gets exactly the arguments the model itself would pass it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+from trainer.data import IGNORE_INDEX
+from trainer.model import ModelParts
+
+GradSink = Callable[[int, dict[str, torch.Tensor]], None]
+"""Receives (group index, {store key: fp32 host gradient}) for each parameter group."""
+
+
+class _Captured(Exception):  # noqa: N818  (a control-flow signal, not an error)
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__("first layer reached")
+        self.args = args
+        self.kwargs = kwargs
+
+
+class _CaptureFirstLayer(nn.Module):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise _Captured(args, kwargs)
+
+
+def _detach_tree(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        if x.requires_grad:
+            raise RuntimeError(
+                "a layer argument other than the hidden states depends on trained weights; "
+                "this model's structure is not supported by the streaming engine"
+            )
+        return x
+    if isinstance(x, tuple):
+        return tuple(_detach_tree(v) for v in x)
+    if isinstance(x, list):
+        return [_detach_tree(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _detach_tree(v) for k, v in x.items()}
+    return x
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross entropy over non -100 labels (transformers' ForCausalLMLoss)."""
+    logits = logits.float()
+    shift = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), shift.view(-1).to(logits.device),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def count_loss_tokens(labels: torch.Tensor) -> int:
+    """Tokens that carry a loss after the shift: the divisor of the token-mean loss."""
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+class StreamingEngine:
+    """Runs forward and backward of one micro-batch piece by piece with weights from a store.
+
+    All calls happen on the caller's thread; store calls go through ``store_lock`` so that an
+    optimizer thread may share the store.
+    """
+
+    def __init__(self, parts: ModelParts, store: Any, device: torch.device, bf16: bool = False,
+                 store_lock: contextlib.AbstractContextManager[Any] | None = None,
+                 before_fetch: Callable[[int], None] | None = None, window_bytes: int | None = None) -> None:
+        self.parts = parts
+        self.store = store
+        self.device = device
+        self.bf16 = bf16
+        self.lock = store_lock or contextlib.nullcontext()
+        self.before_fetch = before_fetch
+        self.groups = parts.groups()
+        # What each piece reads: its own group, plus the tied embedding for the head.
+        self.reads = [list(names) for _, names in self.groups]
+        if parts.tied:
+            self.reads[-1].append(parts.head_params["weight"])
+        self.body_prefix = f"{parts.body_name}." if parts.body_name else ""
+        self.window_bytes = window_bytes
+        self.read_bytes = [sum(int(store.info(n).nbytes) for n in names) for names in self.reads]
+        biggest = max(range(len(self.reads)), key=self.read_bytes.__getitem__)
+        if window_bytes is not None and self.read_bytes[biggest] > window_bytes:
+            raise ValueError(
+                f"the device window ({window_bytes} B) is smaller than one piece of the model "
+                f"({self.groups[biggest][0]}: {self.read_bytes[biggest]} B); each piece must fit: "
+                "raise max_vram_gb"
+            )
+
+    # -- weights ---------------------------------------------------------------------------
+    def _prefetch(self, g: int, current: int) -> None:
+        """Hint group ``g`` while group ``current`` is held: to the device when both fit the window."""
+        if not 0 <= g < len(self.groups):
+            return
+        if self.before_fetch is not None:
+            self.before_fetch(g)  # never prefetch weights an update has yet to write
+        both = self.read_bytes[g] + self.read_bytes[current]
+        # A window too small for two pieces gets no double buffering: warm the RAM tier instead.
+        to = "device" if self.window_bytes is None or both <= self.window_bytes else "host"
+        with self.lock:
+            self.store.prefetch(self.reads[g], to=to)
+
+    def _fetch(self, g: int, grad: bool) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """Group ``g``'s weights from the device window, and the window tensors to hold meanwhile.
+
+        The window counts a tensor's bytes while the object it handed out is alive, so the
+        originals are held as long as their autograd leaves (aliases of the same memory) are.
+        """
+        if self.before_fetch is not None:
+            self.before_fetch(g)
+        out, held = {}, []
+        with self.lock:
+            for name in self.reads[g]:
+                t = self.store.get(name, device=self.device)
+                held.append(t)
+                # Read-only: detach() shares the memory, and autograd never writes its leaves.
+                out[name] = t.detach().requires_grad_(grad) if grad else t
+        return out, held
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+
+    @contextlib.contextmanager
+    def _rng(self, state: tuple[torch.Tensor, torch.Tensor | None] | None) -> Iterator[None]:
+        # Recompute with the RNG state of the original forward, so dropout masks match.
+        if state is None:
+            yield
+            return
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.set_rng_state(state[0])
+            if state[1] is not None:
+                torch.cuda.set_rng_state(state[1], self.device)
+            yield
+
+    def _rng_state(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    # -- pieces ----------------------------------------------------------------------------
+    def _prelude(self, w: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> _Captured:
+        layers = self.parts.layers
+        first = layers[0]
+        local = {n[len(self.body_prefix):]: t for n, t in w.items()}
+        layers[0] = _CaptureFirstLayer()
+        try:
+            with self._autocast():
+                functional_call(self.parts.body, local, args=(),
+                                kwargs={"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                                        "use_cache": False})
+        except _Captured as c:
+            c.__traceback__ = None  # its frames would keep the bound weights alive
+            return c
+        finally:
+            layers[0] = first
+        raise RuntimeError(f"{type(self.parts.body).__name__}.forward never called its first layer")
+
+    def _layer(self, i: int, w: dict[str, torch.Tensor], h: torch.Tensor, cap: _Captured) -> torch.Tensor:
+        prefix = f"{self.parts.layers_name}.{i}."
+        local = {n[len(prefix):]: t for n, t in w.items()}
+        with self._autocast():
+            out = functional_call(self.parts.layers[i], local, args=(h, *cap.args[1:]), kwargs=cap.kwargs)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def _head(self, w: dict[str, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        norm_prefix = self.parts.norm_name + "."
+        norm_w = {n[len(norm_prefix):]: t for n, t in w.items() if n.startswith(norm_prefix)}
+        head_w = {ln: w[full] for ln, full in self.parts.head_params.items()}
+        with self._autocast():
+            x = functional_call(self.parts.norm, norm_w, args=(h,))
+            return functional_call(self.parts.head, head_w, args=(x,))
+
+    # -- one micro-batch -------------------------------------------------------------------
+    def forward_backward(self, batch: dict[str, torch.Tensor], num_items: int, sink: GradSink) -> float:
+        """Forward and backward of one micro-batch; returns its summed token loss.
+
+        The loss that is differentiated is ``sum / num_items`` (``num_items``: loss tokens of the
+        whole accumulation window), which gives transformers' gradient-accumulation semantics.
+        """
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        n_layers = len(self.parts.layers)
+        head_g = n_layers + 1
+        rng: list[Any] = []
+        # Forward without autograd, keeping only the layer-boundary activations.
+        with torch.no_grad():
+            w, held = self._fetch(0, grad=False)
+            self._prefetch(1, 0)
+            rng.append(self._rng_state())
+            cap = self._prelude(w, batch)
+            del w, held
+            h = cap.args[0]
+            cap.args = (None, *cap.args[1:])
+            boundary: list[torch.Tensor] = []
+            boundary.append(h)
+            for i in range(n_layers):
+                w, held = self._fetch(i + 1, grad=False)
+                self._prefetch(i + 2, i + 1)
+                rng.append(self._rng_state())
+                h = self._layer(i, w, h, cap)
+                del w, held
+                boundary.append(h)
+        # Norm + head + loss with autograd; their backward runs right away.
+        w, held = self._fetch(head_g, grad=True)
+        self._prefetch(n_layers, head_g)
+        x = boundary.pop().detach().requires_grad_()
+        logits = self._head(w, x)
+        loss_sum = causal_lm_loss_sum(logits, batch["labels"])
+        grads = torch.autograd.grad(loss_sum / num_items, [x, *w.values()], allow_unused=True)
+        dh = grads[0]
+        head_grads = self._host_grads(w, grads[1:])
+        del logits, w, held, grads
+        tied_key = self.parts.head_params.get("weight") if self.parts.tied else None
+        tied_grad = head_grads.pop(tied_key) if tied_key is not None and tied_key in head_grads else None
+        sink(head_g, head_grads)
+        # Layers in reverse: re-fetch, recompute with autograd, backprop the boundary gradient.
+        for i in reversed(range(n_layers)):
+            w, held = self._fetch(i + 1, grad=True)
+            self._prefetch(i, i + 1)  # group i is layer i-1, or the prelude when i == 0
+            x = boundary.pop().detach().requires_grad_()
+            with torch.enable_grad(), self._rng(rng[i + 1]):
+                out = self._layer(i, w, x, cap)
+            grads = torch.autograd.grad(out, [x, *w.values()], dh, allow_unused=True)
+            dh = grads[0]
+            sink(i + 1, self._host_grads(w, grads[1:]))
+            del out, w, held, grads
+        # The prelude: recompute the embeddings with autograd and backprop into them.
+        w, held = self._fetch(0, grad=True)
+        with torch.enable_grad(), self._rng(rng[0]):
+            c = self._prelude(w, batch)
+        _detach_tree((c.args[1:], c.kwargs))  # raises if a layer argument depends on weights
+        grads = torch.autograd.grad(c.args[0], list(w.values()), dh, allow_unused=True)
+        pre = self._host_grads(w, grads)
+        del w, held, c, grads
+        if tied_grad is not None:
+            pre[tied_key] = pre[tied_key] + tied_grad  # type: ignore[index]
+        sink(0, pre)
+        return float(loss_sum.detach())
+
+    @staticmethod
+    def _host_grads(w: dict[str, torch.Tensor], grads: tuple[torch.Tensor | None, ...]) -> dict[str, torch.Tensor]:
+        # Gradients leave the device at once, as fp32 on the host.
+        out: dict[str, torch.Tensor] = {}
+        for (name, t), g in zip(w.items(), grads, strict=True):
+            if g is None:  # an unused parameter gets a zero gradient, as autograd + zero_grad would
+                g = torch.zeros(t.shape, dtype=torch.float32)
+            out[name] = g.detach().to("cpu", torch.float32)
+        return out
