@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
+import sys
 import threading
+import weakref
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from tierstore.codecs import Codec
+from tierstore.errors import StoreClosed, StoreError
 from tierstore.records import Commit, TensorInfo
 from tierstore.store import AsyncStore, Index
 
@@ -27,7 +31,11 @@ class LoopThread:
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait for its result in the calling thread."""
         if threading.current_thread() is self._thread:
-            raise RuntimeError("a sync Store method was called from its own event loop thread")
+            coro.close()
+            raise StoreError("a sync Store method was called from its own event loop thread")
+        if not self._thread.is_alive() or self.loop.is_closed():
+            coro.close()
+            raise StoreClosed("the store's event loop has stopped (the store is closed)")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def call(self, fn: Any, *args: Any) -> Any:
@@ -43,6 +51,23 @@ class LoopThread:
         self.loop.close()
 
 
+#: the explicit registry of open sync stores: at interpreter exit each is closed without a
+#: commit (its last commit is what a reopen sees), before daemon threads are frozen; a store
+#: left open used to hang the exit in ``__del__``
+_OPEN_STORES: weakref.WeakSet[Store] = weakref.WeakSet()
+
+
+def _close_open_stores() -> None:
+    for store in list(_OPEN_STORES):
+        try:
+            store.close(commit=False)
+        except StoreError:
+            pass
+
+
+atexit.register(_close_open_stores)
+
+
 class Store:
     """A tiered tensor store with blocking methods; see ``tierstore.open``."""
 
@@ -52,6 +77,7 @@ class Store:
         self.path = astore.path
         self.mode = astore.mode
         self.config = astore.config
+        _OPEN_STORES.add(self)
 
     @property
     def async_store(self) -> AsyncStore:
@@ -116,9 +142,14 @@ class Store:
         return self._a.tracer.chrome_trace()
 
     def close(self, commit: bool = True) -> None:
-        """Commit pending changes (unless ``commit=False``), then release files and threads."""
+        """Commit pending changes (unless ``commit=False``), then release files and threads.
+
+        ``commit=False`` drops what was put since the last commit (a trainer whose step state
+        lives outside the store closes that way after an error).
+        """
         if self._loop is None:
             return
+        _OPEN_STORES.discard(self)
         try:
             self._loop.run(self._a.close(commit=commit))
         finally:
@@ -133,8 +164,8 @@ class Store:
         self.close(commit=exc_type is None)
 
     def __del__(self) -> None:
-        if getattr(self, "_loop", None) is not None:
+        if getattr(self, "_loop", None) is not None and not sys.is_finalizing():
             try:
                 self.close(commit=False)
-            except Exception:
+            except StoreError:
                 pass

@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         if options:
             raise UsageError("--model is required with " + ", ".join("--" + k.replace("_", "-") for k in options))
-        return int(_trainer("trainer.demo", ("main",)).main() or EXIT_OK)
+        return int(_trainer("trainer.demo", ("main",)).main([]) or EXIT_OK)
     if not args.data:
         raise UsageError("--data is required with --model")
     mt = _trainer("trainer", ("Trainer", "TrainingArguments", "init", "load_model"))

@@ -186,3 +186,17 @@ def test_closed_store(tmp_path) -> None:
     s.close()
     with pytest.raises(tierstore.StoreClosed):
         a.keys()
+
+
+def test_a_store_left_open_does_not_hang_the_exit(tmp_path) -> None:
+    import subprocess
+    import sys
+    code = ("import sys, torch, tierstore\n"
+            "s = tierstore.open(sys.argv[1])\n"
+            "s.put('a', torch.ones(3)); s.commit()\n"
+            "s.put('b', torch.ones(3))\n"
+            "raise SystemExit(3)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s")], timeout=60)
+    assert p.returncode == 3
+    with tierstore.open(tmp_path / "s", mode="r") as r:
+        assert r.keys() == ["a"]  # closed at exit without a commit: "b" is dropped
