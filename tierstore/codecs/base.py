@@ -41,6 +41,7 @@ class Codec(abc.ABC):
 
     def check_dtype(self, dtype: torch.dtype) -> None:
         """Raise CodecError when this codec cannot store ``dtype``."""
+        return None  # every dtype by default; lossy codecs narrow it
 
     def decoded_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype that ``decode`` returns for data put with ``dtype``."""
