@@ -195,6 +195,12 @@ def _run(name: str, n: int, block: int, bits: int, signed: bool, *args: Any) -> 
     key = (name, block, bits, signed)
     fn = _COMPILED.get(key)
     if fn is None:
+        # dynamo caches compiled variants per code object, and all variants share the code of
+        # ``_eager``'s closures: 4 widths x 2 modes x blocks x 2 kernels overflow its default
+        # limit of 8, past which it silently runs eager. Raise it (never lower it).
+        limit = len(_COMPILED) + 8
+        if torch._dynamo.config.recompile_limit < limit:
+            torch._dynamo.config.recompile_limit = limit
         # not dynamic=True: that would make block and bits symbolic too and defeat vectorizing
         fn = _COMPILED[key] = torch.compile(_eager(*key))
     for a in args:  # only the element counts vary between chunks
