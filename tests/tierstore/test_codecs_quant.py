@@ -231,6 +231,20 @@ def test_exact_zeros_and_constant_blocks() -> None:
         assert _round_trip(codecs.get(name), mixed)[0] == 0.0
 
 
+@pytest.mark.parametrize("name", QUANT)
+def test_extreme_magnitudes(name: str) -> None:
+    """Subnormal-only blocks and values next to float32's max decode finite and in range."""
+    sub = torch.tensor([1e-45, -3e-42, 2e-40, 0.0], dtype=torch.float32)
+    y = _round_trip(codecs.get(name), sub)
+    assert bool(torch.isfinite(y).all()) and float(y.abs().max()) == float(sub.abs().max())
+    yu = _round_trip(codecs.get(name, signed=False), sub.abs())
+    assert bool((yu[sub != 0] > 0).all())
+    big = torch.tensor([3.4e38, 3.0e38, 1.0], dtype=torch.float32)
+    yb = _round_trip(codecs.get(name, signed=False), big)
+    assert bool(torch.isfinite(yb).all()) and float(yb[0]) > 3.3e38
+    assert bool(torch.isfinite(_round_trip(codecs.get(name), -big)).all())
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("signed", [True, False])
 def test_non_finite_raises(bad: float, signed: bool) -> None:

@@ -48,6 +48,10 @@ LOG_UNITS = 128
 # block 128: q2 0.96 companded vs 0.71 linear, q3 0.26 vs 0.20; at q4 0.110 vs 0.093, where
 # companding is kept for the relative precision of small values)
 COMPANDED_BITS = (4, 8)
+# largest log2 bound (in LOG_UNITS) whose power of two is a finite float32
+MAX_LOG = 128 * LOG_UNITS - 1
+# smallest positive subnormal float32, the floor for a nonzero absmax divisor
+FLOAT32_TINY = 2.0**-149
 # marks a block with no positive value in unsigned mode; it decodes to zeros
 EMPTY_BLOCK = -32768
 
@@ -109,8 +113,8 @@ def _encode_blocks(xb: torch.Tensor, bits: int, signed: bool
     levels = (1 << bits) - 1  # highest code
     if signed:
         absmax = xb.abs().amax(dim=1)
-        inv = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
-        mag = xb.abs() * inv[:, None]
+        # divide, not multiply by 1/absmax: a subnormal absmax has an infinite reciprocal
+        mag = xb.abs() / absmax.clamp_min(FLOAT32_TINY)[:, None]
         if bits in COMPANDED_BITS:
             mag = torch.sqrt(mag)
         y = torch.where(xb < 0, -mag, mag)  # not copysign: inductor's CPU code vectorizes this
@@ -123,7 +127,9 @@ def _encode_blocks(xb: torch.Tensor, bits: int, signed: bool
         check_min = xb.amin(dim=1)
         xmin = torch.where(xb > 0, xb, torch.full_like(xb, float("inf"))).amin(dim=1)
         empty = xmax <= 0
-        hi = torch.where(empty, EMPTY_BLOCK, torch.ceil(torch.log2(xmax) * LOG_UNITS))
+        # capped so that 2**hi stays finite; the few values above 2**127.99 take the top code
+        hi = torch.where(empty, EMPTY_BLOCK,
+                         torch.ceil(torch.log2(xmax) * LOG_UNITS).clamp_max(MAX_LOG))
         lo = torch.where(empty, EMPTY_BLOCK, torch.floor(torch.log2(xmin) * LOG_UNITS))
         span = hi - lo
         step = torch.where(span > 0, levels * LOG_UNITS / span.clamp_min(1), torch.zeros_like(span))
