@@ -325,3 +325,33 @@ def test_cuda_matches_cpu(name: str, signed: bool) -> None:
     assert back.is_cuda
     assert torch.allclose(back.cpu(), codec.decode(memoryview(cpu.numpy()), x.shape, x.dtype),
                           rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_stochastic_rounding_is_unbiased(name: str) -> None:
+    """Averaged over many encodes, stochastic codes land on the value (in the grid's domain)."""
+    torch.manual_seed(0)
+    x = torch.tensor([1.0, 0.3, -0.6, 0.05, -0.01, 0.7, 0.0, -1.0])
+    sr = codecs.get(name, block=8, rounding="stochastic")
+    companded = name in ("q8", "q4")
+    grid = (lambda t: t.sign() * t.abs().sqrt()) if companded else (lambda t: t)
+    mean = torch.stack([grid(_round_trip(sr, x)) for _ in range(3000)]).mean(0)
+    assert torch.allclose(mean, grid(x), atol=0.02), (mean, grid(x))
+    nearest = grid(_round_trip(codecs.get(name, block=8), x))
+    if name == "q2":  # nearest rounding is biased here: 0.3 -> 0, 0.7 -> 1
+        assert float((nearest - grid(x)).abs().max()) > 0.25
+    v = torch.tensor([1e-8, 3e-6, 1e-4, 0.02, 1.0, 7.0, 0.0, 5e-3])
+    usr = codecs.get(name, signed=False, block=8, rounding="stochastic")
+    logs = torch.stack([_round_trip(usr, v)[v > 0].log2() for _ in range(3000)]).mean(0)
+    assert torch.allclose(logs, v[v > 0].log2(), atol=0.1), (logs, v[v > 0].log2())
+
+
+def test_stochastic_rounding_spec_and_levels() -> None:
+    sr = codecs.get("q4", signed=False, rounding="stochastic")
+    assert codecs.from_spec(sr.spec()) == sr != codecs.get("q4", signed=False)
+    with pytest.raises(tierstore.CodecError, match="rounding"):
+        codecs.get("q4", rounding="up")
+    # values on the grid never move, whatever the draw
+    levels = torch.tensor([-1.0, 0.0, 1.0, 0.0, -1.0] * 20)
+    assert torch.equal(_round_trip(codecs.get("q2", rounding="stochastic", block=5), levels),
+                       levels)

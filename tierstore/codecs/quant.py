@@ -107,7 +107,12 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack([(packed >> (bits * i)) & mask for i in range(8 // bits)]).view(-1)
 
 
-def _encode_blocks(xb: torch.Tensor, bits: int, signed: bool
+def _round(t: torch.Tensor, stochastic: bool) -> torch.Tensor:
+    """Nearest, or stochastic rounding (up with probability equal to the fraction)."""
+    return (t + torch.rand_like(t)).floor() if stochastic else t.round()
+
+
+def _encode_blocks(xb: torch.Tensor, bits: int, signed: bool, stochastic: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scales, packed codes, and per-block (max, min) to validate with, of padded blocks."""
     levels = (1 << bits) - 1  # highest code
@@ -119,7 +124,7 @@ def _encode_blocks(xb: torch.Tensor, bits: int, signed: bool
             mag = torch.sqrt(mag)
         y = torch.where(xb < 0, -mag, mag)  # not copysign: inductor's CPU code vectorizes this
         half = (1 << (bits - 1)) - 1  # codes 0..2*half; the top code is unused
-        codes = (y * half + half).round().clamp(0, 2 * half)
+        codes = _round(y * half + half, stochastic).clamp(0, 2 * half)
         scales = absmax
         check_max, check_min = absmax, absmax
     else:
@@ -135,7 +140,7 @@ def _encode_blocks(xb: torch.Tensor, bits: int, signed: bool
         step = torch.where(span > 0, levels * LOG_UNITS / span.clamp_min(1), torch.zeros_like(span))
         # log2(0) = -inf is clamped below any block bound, so zeros take code 0 (the block min)
         lg = torch.log2(xb).clamp_min(-150.0)
-        codes = ((lg - (lo / LOG_UNITS)[:, None]) * step[:, None]).round().clamp(0, levels)
+        codes = _round((lg - (lo / LOG_UNITS)[:, None]) * step[:, None], stochastic).clamp(0, levels)
         scales = torch.stack([lo, hi], dim=1)
         check_max = xmax
     codes = codes.to(torch.uint8).view(-1)
@@ -169,7 +174,7 @@ def _decode_blocks(scales: torch.Tensor, packed: torch.Tensor, block: int, bits:
 # inductor-compiled twins of the two kernels (one fused loop each instead of ~15 eager passes),
 # one per (kernel, bits, signed) so those stay constants; sizes are dynamic. Built on first use
 # of a large chunk: compiling costs seconds that small chunks never repay.
-_COMPILED: dict[tuple[str, int, int, bool], Callable[..., Any]] = {}
+_COMPILED: dict[tuple[str, int, int, bool, bool], Callable[..., Any]] = {}
 COMPILE_MIN_ELEMENTS = 1 << 20
 _compile_mode = "auto"
 
@@ -182,11 +187,12 @@ def set_compile(mode: str) -> None:
     _compile_mode = mode
 
 
-def _eager(name: str, block: int, bits: int, signed: bool) -> Callable[..., Any]:
+def _eager(name: str, block: int, bits: int, signed: bool,
+           stochastic: bool = False) -> Callable[..., Any]:
     """Kernel ``name`` with its constants bound as closure cells (dynamo specializes on them)."""
     if name == "encode":
         def encode(xb: torch.Tensor) -> Any:
-            return _encode_blocks(xb.view(-1, block), bits, signed)
+            return _encode_blocks(xb.view(-1, block), bits, signed, stochastic)
         return encode
 
     def decode(scales: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -194,11 +200,12 @@ def _eager(name: str, block: int, bits: int, signed: bool) -> Callable[..., Any]
     return decode
 
 
-def _run(name: str, n: int, block: int, bits: int, signed: bool, *args: Any) -> Any:
+def _run(name: str, n: int, block: int, bits: int, signed: bool, stochastic: bool,
+         *args: Any) -> Any:
     """Run kernel ``name``, compiled when worth it; a failing compile falls back to eager."""
+    key = (name, block, bits, signed, stochastic)
     if _compile_mode == "never" or (_compile_mode == "auto" and n < COMPILE_MIN_ELEMENTS):
-        return _eager(name, block, bits, signed)(*args)
-    key = (name, block, bits, signed)
+        return _eager(*key)(*args)
     fn = _COMPILED.get(key)
     if fn is None:
         # dynamo caches compiled variants per code object, and all variants share the code of
@@ -221,9 +228,13 @@ def _run(name: str, n: int, block: int, bits: int, signed: bool, *args: Any) -> 
         return _COMPILED[key](*args)
 
 
-def quantize(x: torch.Tensor, bits: int, block: int, signed: bool,
-             name: str = "quant") -> torch.Tensor:
-    """Encode a float tensor into the stored bytes (a uint8 tensor on ``x``'s device)."""
+def quantize(x: torch.Tensor, bits: int, block: int, signed: bool, name: str = "quant",
+             stochastic: bool = False) -> torch.Tensor:
+    """Encode a float tensor into the stored bytes (a uint8 tensor on ``x``'s device).
+
+    ``stochastic`` rounds each value up or down at random with the probabilities that make the
+    code unbiased (in the companded or log2 domain); decoding is the same either way.
+    """
     flat = x.reshape(-1).to(torch.float32)
     n = flat.numel()
     if n == 0:
@@ -232,7 +243,7 @@ def quantize(x: torch.Tensor, bits: int, block: int, signed: bool,
     pad = nb * block - n
     if pad:
         flat = torch.nn.functional.pad(flat, (0, pad))  # zeros move no bound of either mode
-    scales, packed, check_max, check_min = _run("encode", n, block, bits, signed, flat)
+    scales, packed, check_max, check_min = _run("encode", n, block, bits, signed, stochastic, flat)
     # NaN and inf reach every block reduction, so validating the small per-block results is
     # enough, and costs no extra pass over the chunk
     if not bool(torch.isfinite(check_max).all() and torch.isfinite(check_min).all()):
@@ -260,7 +271,7 @@ def dequantize(payload: torch.Tensor, n: int, bits: int, block: int, signed: boo
         scales = raw_scales.view(torch.float32)
     else:
         scales = raw_scales.view(torch.int16).view(nb, 2).to(torch.float32)
-    out = _run("decode", n, block, bits, signed, scales, payload[4 * nb:])
+    out = _run("decode", n, block, bits, signed, False, scales, payload[4 * nb:])
     return out[:n]
 
 

@@ -16,6 +16,11 @@ from tierstore.codecs.registry import register
 from tierstore.errors import CodecError
 
 FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+#: "nearest" is deterministic; "stochastic" rounds up or down at random so that the code is
+#: unbiased, which keeps an optimizer state that is re-quantized every step from sticking at a
+#: level when its per-step change is smaller than half a quantization step (signal swamping).
+#: Decoding is identical; only ``encode`` differs.
+ROUNDINGS = ("nearest", "stochastic")
 
 
 class QuantCodec(Codec):
@@ -27,10 +32,12 @@ class QuantCodec(Codec):
     #: elements per scale when ``block`` is not given
     default_block: ClassVar[int]
 
-    def __init__(self, signed: bool = True, block: int | None = None):
+    def __init__(self, signed: bool = True, block: int | None = None, rounding: str = "nearest"):
         block = self.default_block if block is None else block
         quant.check_params(self.code_bits, block, signed)
-        self.signed, self.block = signed, block
+        if rounding not in ROUNDINGS:
+            raise CodecError(f"quantization rounding must be one of {ROUNDINGS}, got {rounding!r}")
+        self.signed, self.block, self.rounding = signed, block, rounding
 
     @property
     def bits(self) -> float:
@@ -38,8 +45,8 @@ class QuantCodec(Codec):
         return self.code_bits + 32 / self.block
 
     def params(self) -> dict[str, Any]:
-        """``signed`` and ``block``."""
-        return {"signed": self.signed, "block": self.block}
+        """``signed``, ``block`` and ``rounding``."""
+        return {"signed": self.signed, "block": self.block, "rounding": self.rounding}
 
     def check_dtype(self, dtype: torch.dtype) -> None:
         """Only float32, bfloat16 and float16 are quantized."""
@@ -57,7 +64,8 @@ class QuantCodec(Codec):
     def encode(self, chunk: torch.Tensor) -> torch.Tensor:
         """Scales then bit-packed codes, as a uint8 tensor on the chunk's device."""
         self.check_dtype(chunk.dtype)
-        return quant.quantize(chunk, self.code_bits, self.block, self.signed, self.name)
+        return quant.quantize(chunk, self.code_bits, self.block, self.signed, self.name,
+                              stochastic=self.rounding == "stochastic")
 
     def decode(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A float32 tensor of ``shape`` from the stored bytes."""

@@ -42,6 +42,7 @@ class ZarrQuantCodec(ArrayBytesCodec):
     is_fixed_size = True
     signed: bool = True
     block: int = 0  # 0 stands for the wrapped codec's default
+    rounding: str = "nearest"  # how this codec encodes, when zarr writes; decoding ignores it
     tier_codec: Any = None
 
     #: the wrapped tierstore codec class (set by subclasses)
@@ -50,16 +51,18 @@ class ZarrQuantCodec(ArrayBytesCodec):
     def __post_init__(self) -> None:
         block = self.block or self.codec_cls.default_block
         object.__setattr__(self, "block", block)
-        object.__setattr__(self, "tier_codec", self.codec_cls(signed=self.signed, block=block))
+        object.__setattr__(self, "tier_codec", self.codec_cls(signed=self.signed, block=block,
+                                                              rounding=self.rounding))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ZarrQuantCodec:
         """Build from the ``zarr.json`` entry ``{"name": ..., "configuration": {...}}``."""
         config = dict(data.get("configuration") or {})
-        unknown = set(config) - {"signed", "block"}
+        unknown = set(config) - {"signed", "block", "rounding"}
         if unknown:
             raise CodecError(f"{data.get('name')}: unknown configuration keys {sorted(unknown)}")
-        return cls(signed=config.get("signed", True), block=config.get("block", 0))
+        return cls(signed=config.get("signed", True), block=config.get("block", 0),
+                   rounding=config.get("rounding", "nearest"))
 
     def to_dict(self) -> dict[str, Any]:
         """The ``zarr.json`` entry, as ``QuantCodec.zarr_codecs`` writes it."""
