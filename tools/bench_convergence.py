@@ -5,10 +5,12 @@ Run ``python -m tools.bench_convergence [--steps N] [--codecs q8,q4,q3,q2]``. A 
 standard library's sources with ``torch.optim.AdamW``; after every ``step()`` each parameter's
 ``exp_avg`` and ``exp_avg_sq`` are replaced by ``decode(encode(.))`` with the codec the
 trainer's policy picks for it (``tierstore.codecs.policy.choose_codec``: m signed, v unsigned,
-small and 1-D tensors raw), which is exactly "encode after the update, decode before the next".
+stochastic rounding, small and 1-D tensors raw; ``q4:nearest`` overrides the rounding), which is exactly "encode after the update, decode before the next".
 Every run sees the same initial weights and batches. Reported: final training loss (mean of
 the last 10% of steps), held-out loss on fixed batches from a text region never trained on,
-and their relative difference to the fp32 run. Goals: within 1% for q8/q4, 3% for q2.
+and their relative difference to the fp32 run. ``--noise-seeds`` adds fp32 runs with other
+seeds (other weights and batch order; same held-out text) as the run-to-run noise to compare
+against. Goals: within 1% for q8/q4, 3% for q2.
 """
 
 from __future__ import annotations
@@ -25,15 +27,21 @@ from tools.moments import byte_batches, lm_loss, stdlib_bytes, tiny_model
 
 
 def round_trip_states(opt: torch.optim.Optimizer, requested: str) -> tuple[int, int]:
-    """Replace every AdamW moment by its codec round trip; (quantized, total) element counts."""
+    """Replace every AdamW moment by its codec round trip; (quantized, total) element counts.
+
+    ``requested`` is a codec name, optionally with a rounding suffix: ``"q2:stochastic"``.
+    """
+    name, _, rounding = requested.partition(":")
     quantized = total = 0
     for st in opt.state.values():
         for role in ("exp_avg", "exp_avg_sq"):
             t = st[role]
-            codec = choose_codec(requested, tuple(t.shape), role)
+            codec = choose_codec(name, tuple(t.shape), role)
             total += t.numel()
             if codec.lossless:
                 continue
+            if rounding:
+                codec = codecs.get(name, **{**codec.params(), "rounding": rounding})
             data = codec.encode(t)
             st[role].copy_(codec.decode(memoryview(data.numpy()), tuple(t.shape), t.dtype))
             quantized += t.numel()
@@ -78,7 +86,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Train fp32 and one run per codec; print final losses and the gap to fp32."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300, help="training steps per run")
-    ap.add_argument("--codecs", default="q8,q4,q3,q2", help="comma-separated codec names")
+    ap.add_argument("--codecs", default="q8,q4,q3,q2,q4:nearest,q2:nearest",
+                    help="comma-separated codec names, each optionally NAME:ROUNDING")
+    ap.add_argument("--noise-seeds", type=int, default=1,
+                    help="extra fp32 runs with other seeds, to show the run-to-run noise")
     ap.add_argument("--hidden", type=int, default=128, help="model width")
     ap.add_argument("--layers", type=int, default=4, help="model depth")
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
@@ -88,24 +99,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     names = [c for c in args.codecs.split(",") if c]
     for c in names:
-        codecs.get(c)  # fail fast on a bad name
+        name, _, rounding = c.partition(":")
+        codecs.get(name, **({"rounding": rounding} if rounding else {}))  # fail fast
     params = sum(p.numel() for p in tiny_model(args.hidden, args.layers, args.seed).parameters())
     print(f"model: {params / 1e6:.2f}M params, {args.steps} steps, batch {args.batch}x{args.seq} "
           f"bytes, lr {args.lr}")
     rows = [("fp32", train(None, args.steps, args.hidden, args.layers, args.batch, args.seq,
                            args.lr, args.seed))]
     print(f"  fp32 done in {rows[0][1]['seconds']:.0f}s", flush=True)
+    for k in range(1, args.noise_seeds + 1):
+        rows.append((f"fp32 seed {args.seed + k}", train(None, args.steps, args.hidden,
+                                                         args.layers, args.batch, args.seq,
+                                                         args.lr, args.seed + k)))
+        print(f"  fp32 seed {args.seed + k} done in {rows[-1][1]['seconds']:.0f}s", flush=True)
     for c in names:
         rows.append((c, train(c, args.steps, args.hidden, args.layers, args.batch, args.seq,
                               args.lr, args.seed)))
         print(f"  {c} done in {rows[-1][1]['seconds']:.0f}s", flush=True)
     base = rows[0][1]
-    print(f"{'codec':>6} {'state quantized':>15} {'train loss':>10} {'vs fp32':>8} "
+    print(f"{'codec':>14} {'state quantized':>15} {'train loss':>10} {'vs fp32':>8} "
           f"{'held-out':>9} {'vs fp32':>8}")
     for name, r in rows:
         dt = (r["train"] - base["train"]) / base["train"]
         dh = (r["held-out"] - base["held-out"]) / base["held-out"]
-        print(f"{name:>6} {r['quantized']:>15.3f} {r['train']:>10.4f} {dt:>+8.2%} "
+        print(f"{name:>14} {r['quantized']:>15.3f} {r['train']:>10.4f} {dt:>+8.2%} "
               f"{r['held-out']:>9.4f} {dh:>+8.2%}")
     return 0
 

@@ -11,10 +11,11 @@ from tierstore.codecs.policy import SMALL_TENSOR_ELEMENTS, choose_codec
 
 def test_lossy_moments_get_signed_and_unsigned() -> None:
     shape = (256, 256)
-    assert choose_codec("q4", shape, "exp_avg") == codecs.get("q4", signed=True)
-    assert choose_codec("q4", shape, "exp_avg_sq") == codecs.get("q4", signed=False)
-    assert choose_codec("q2", shape, "max_exp_avg_sq") == codecs.get("q2", signed=False)
-    assert choose_codec("q8", shape, "param") == codecs.get("q8")
+    sr = {"rounding": "stochastic"}
+    assert choose_codec("q4", shape, "exp_avg") == codecs.get("q4", signed=True, **sr)
+    assert choose_codec("q4", shape, "exp_avg_sq") == codecs.get("q4", signed=False, **sr)
+    assert choose_codec("q2", shape, "max_exp_avg_sq") == codecs.get("q2", signed=False, **sr)
+    assert choose_codec("q8", shape, "param") == codecs.get("q8")  # not a moment: nearest
 
 
 def test_small_and_1d_tensors_stay_raw() -> None:
@@ -22,7 +23,7 @@ def test_small_and_1d_tensors_stay_raw() -> None:
     assert choose_codec("q4", (4096 * 4,), "exp_avg") == raw  # 1-D, however large
     assert choose_codec("q4", (), "exp_avg_sq") == raw
     assert choose_codec("q4", (63, 65), "exp_avg") == raw  # 4095 elements
-    assert choose_codec("q4", (64, 64), "exp_avg") == codecs.get("q4")  # exactly the threshold
+    assert choose_codec("q4", (64, 64), "param") == codecs.get("q4")  # exactly the threshold
     assert SMALL_TENSOR_ELEMENTS == 64 * 64
     assert choose_codec("q4", (0, 5000), "exp_avg") == raw
 

