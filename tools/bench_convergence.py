@@ -5,7 +5,8 @@ Run ``python -m tools.bench_convergence [--steps N] [--codecs q8,q4,q3,q2]``. A 
 standard library's sources with ``torch.optim.AdamW``; after every ``step()`` each parameter's
 ``exp_avg`` and ``exp_avg_sq`` are replaced by ``decode(encode(.))`` with the codec the
 trainer's policy picks for it (``tierstore.codecs.policy.choose_codec``: m signed, v unsigned,
-stochastic rounding, small and 1-D tensors raw; ``q4:nearest`` overrides the rounding), which is exactly "encode after the update, decode before the next".
+stochastic rounding, small and 1-D tensors raw; ``q4:nearest`` overrides the rounding), which
+is exactly "encode after the update, decode before the next".
 Every run sees the same initial weights and batches. Reported: final training loss (mean of
 the last 10% of steps), held-out loss on fixed batches from a text region never trained on,
 and their relative difference to the fp32 run. ``--noise-seeds`` adds fp32 runs with other
