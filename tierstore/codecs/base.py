@@ -39,8 +39,9 @@ class Codec(abc.ABC):
         """A JSON-able description that ``tierstore.codecs.from_spec`` turns back into this codec."""
         return {"name": self.name, **self.params()}
 
-    def check_dtype(self, dtype: torch.dtype) -> None:  # noqa: B027  (optional hook)
-        """Raise CodecError when this codec cannot store ``dtype``; every dtype by default."""
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Raise CodecError when this codec cannot store ``dtype``."""
+        return None  # every dtype by default; lossy codecs narrow it
 
     def decoded_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype that ``decode`` returns for data put with ``dtype``."""

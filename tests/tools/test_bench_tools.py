@@ -1,0 +1,64 @@
+"""Smoke tests of the codec benchmarks: they run end to end and their numbers make sense."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tools import bench_codecs, bench_convergence
+from tools.moments import tiny_model
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 7 and parts[-1].replace(".", "", 1).isdigit():
+            rows[" ".join(parts[:-6])] = parts[-6:]
+    return rows
+
+
+@pytest.mark.slow
+def test_bench_codecs_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_codecs.main(["--steps", "2", "--hidden", "64", "--layers", "1",
+                              "--chunk-mib", "0.5", "--repeats", "1", "--compile", "never"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    ratio, m_err, v_err, zeroed, _, _ = rows["raw"]
+    assert (ratio, m_err, v_err) == ("1.00", "0.0000", "0.0000")
+    for name, bits in (("q8", 8), ("q4", 4), ("q2", 2)):
+        ratio, m_err, v_err, zeroed, _, _ = rows[f"{name} (m signed, v unsigned)"]
+        assert float(zeroed) == 0.0
+        assert 32 / (bits + 1) < float(ratio) <= 32 / bits
+    assert float(rows["q8 (m signed, v unsigned)"][1]) < 0.02
+    assert float(rows["q4 signed v (ablation)"][3]) > 0  # the zero-point problem, shown
+
+
+def test_round_trip_states_matches_codec() -> None:
+    model = tiny_model(hidden=64, layers=1)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randint(0, 256, (2, 16))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    before = {id(p): (s["exp_avg"].clone(), s["exp_avg_sq"].clone()) for p, s in opt.state.items()}
+    quantized, total = bench_convergence.round_trip_states(opt, "q8")
+    assert 0 < quantized < total
+    for p, s in opt.state.items():
+        m, v = before[id(p)]
+        if p.dim() >= 2 and p.numel() >= 4096:
+            assert not torch.equal(s["exp_avg"], m)
+            assert float((s["exp_avg"] - m).norm() / m.norm()) < 0.02
+            assert bool((s["exp_avg_sq"][v > 0] > 0).all())
+        else:  # the policy keeps small and 1-D tensors exact
+            assert torch.equal(s["exp_avg"], m) and torch.equal(s["exp_avg_sq"], v)
+
+
+@pytest.mark.slow
+def test_bench_convergence_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_convergence.main(["--steps", "6", "--hidden", "64", "--layers", "1",
+                                   "--batch", "2", "--seq", "32", "--codecs", "q8",
+                                   "--noise-seeds", "0"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    fp32 = next(ln for ln in lines if ln.split()[:1] == ["fp32"] and "%" in ln).split()
+    q8 = next(ln for ln in lines if ln.split()[:1] == ["q8"] and "%" in ln).split()
+    assert float(fp32[1]) == 0.0 and 0 < float(q8[1]) < 1
+    assert abs(float(q8[2]) - float(fp32[2])) / float(fp32[2]) < 0.05
