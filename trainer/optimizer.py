@@ -20,7 +20,6 @@ import contextlib
 import queue
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -32,23 +31,13 @@ import tierstore
 GRAD = "grad/"
 EXP_AVG = "opt/exp_avg/"
 EXP_AVG_SQ = "opt/exp_avg_sq/"
-# Tensors this small (norm weights, biases) keep raw moments: compressing them saves nothing.
-SMALL_NUMEL = 4096
 
 
-def moment_codecs(compression: bool | str | None) -> tuple[Any, Any]:
-    """Codecs for (exp_avg, exp_avg_sq): True means q4; a missing codec falls back to raw."""
+def moment_codec_name(compression: bool | str | None) -> str:
+    """The codec asked for the Adam moments: True means q4, False/None raw; CodecError if unknown."""
     name = "q4" if compression is True else (compression or "raw")
-    if name == "raw":
-        return "raw", "raw"
-    if name not in tierstore.codecs.names():
-        warnings.warn(f"optimizer_compression={compression!r}: codec {name!r} is not available in "
-                      "tierstore.codecs; keeping Adam moments raw", stacklevel=3)
-        return "raw", "raw"
-    if name.startswith("q"):
-        # The second moment is non-negative: its unsigned mode never decodes a positive value to zero.
-        return tierstore.codecs.get(name, signed=True), tierstore.codecs.get(name, signed=False)
-    return name, name
+    tierstore.codecs.get(name)  # raises CodecError naming the registered codecs
+    return name
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +73,7 @@ class StoreAdamW:
         self.store = store
         self.groups = groups
         self.no_decay = no_decay
-        self.m_codec, self.v_codec = moment_codecs(compression)
+        self.moment_codec = moment_codec_name(compression)
         self.lock = lock
         self.update_s = 0.0
         """Seconds of AdamW arithmetic."""
@@ -92,9 +81,11 @@ class StoreAdamW:
         """Seconds of whole group updates: store reads and writes plus the arithmetic."""
 
     def _codecs(self, t: torch.Tensor) -> tuple[Any, Any]:
-        if t.numel() < SMALL_NUMEL or t.dim() < 2:
-            return "raw", "raw"
-        return self.m_codec, self.v_codec
+        # one policy for the whole project: small and 1-D tensors stay raw, v is unsigned,
+        # moments get stochastic rounding (tierstore.codecs.policy says why)
+        shape = tuple(t.shape)
+        return (tierstore.codecs.choose_codec(self.moment_codec, shape, "exp_avg"),
+                tierstore.codecs.choose_codec(self.moment_codec, shape, "exp_avg_sq"))
 
     def accumulate(self, grads: dict[str, torch.Tensor], first: bool) -> dict[str, torch.Tensor]:
         """Add one micro-batch's gradients to ``grad/<name>``; returns the running sums."""

@@ -116,19 +116,27 @@ def test_moments_go_through_the_configured_codec(dataset: Any, tmp_path: Any) ->
     import trainer as mt
 
     runs = {}
-    for comp in ("raw", "zstd"):  # zstd is lossless: the trajectory must not change
+    for comp in ("raw", "zstd", "q4"):  # zstd is lossless: the trajectory must not change
         mt.init(max_vram_gb="1MiB", max_ram_gb="4MiB", optimizer_compression=comp, device="cpu")
         args = TrainingArguments(output_dir=str(tmp_path / comp), per_device_train_batch_size=4, max_steps=3,
                                  logging_steps=1, save_steps=0, learning_rate=1e-3, disable_tqdm=True)
         tr = mt.Trainer(model=build(llama_config(2)), train_dataset=dataset, args=args)
         try:
             tr.train()
-            big = tr.store.info("opt/exp_avg_sq/model.layers.0.mlp.up_proj.weight").codec["name"]
+            big = tr.store.info("opt/exp_avg_sq/model.layers.0.mlp.up_proj.weight").codec
             small = tr.store.info("opt/exp_avg/model.layers.0.input_layernorm.weight").codec["name"]
             runs[comp] = ([e["loss"] for e in tr.state.log_history], tr.store.get("model.norm.weight"), big, small)
         finally:
             tr.close()
-    assert runs["zstd"][2] == "zstd" and runs["zstd"][3] == "raw"  # small 1-D tensors keep raw moments
-    assert runs["raw"][2] == "raw"
+    assert runs["zstd"][2]["name"] == "zstd" and runs["zstd"][3] == "zstd"  # lossless: as asked
+    assert runs["raw"][2]["name"] == "raw"
     assert runs["zstd"][0] == runs["raw"][0]
     assert torch.equal(runs["zstd"][1], runs["raw"][1])
+    # q4: v unsigned with stochastic rounding, 1-D tensors keep raw moments (codecs.policy)
+    assert runs["q4"][2] == {"name": "q4", "signed": False, "block": 128, "rounding": "stochastic"}
+    assert runs["q4"][3] == "raw"
+    raw_losses, q4_losses = runs["raw"][0], runs["q4"][0]
+    assert raw_losses[0] == q4_losses[0]  # the first step reads no moments
+    assert q4_losses != raw_losses  # later steps do, through the lossy codec
+    for a, b in zip(raw_losses, q4_losses, strict=True):
+        assert abs(a - b) / a < 0.02

@@ -10,6 +10,7 @@ from tierstore.codecs import raw as _raw  # noqa: F401  (registers "raw")
 from tierstore.codecs import zarr_quant as _zarr_quant  # noqa: F401  (zarr "tierstore.q*")
 from tierstore.codecs import zstd as _zstd  # noqa: F401  (registers "zstd")
 from tierstore.codecs.base import Codec
+from tierstore.codecs.policy import choose_codec
 from tierstore.codecs.registry import from_spec, get, names, register, resolve
 
-__all__ = ["Codec", "from_spec", "get", "names", "register", "resolve"]
+__all__ = ["Codec", "choose_codec", "from_spec", "get", "names", "register", "resolve"]
