@@ -140,4 +140,4 @@ def zarr_metadata(grid: ChunkGrid, dtype: torch.dtype, codec: Codec, attrs: dict
         "attributes": {"tierstore": {"dtype": dtype_name(decoded), **attrs}},
         "storage_transformers": [],
     }
-    return json.dumps(meta, indent=1).encode()
+    return json.dumps(meta).encode()  # compact: the C encoder (indent= falls back to Python)

@@ -283,13 +283,13 @@ class AsyncStore:
 
     async def _write_generation(self, key: str, gen: int, t: torch.Tensor, codec: Codec,
                                 grid: ChunkGrid) -> GenRecord:
-        created = await self._run_io(self._disk.make_dirs, key, gen, grid, range(grid.n_chunks))
-        self._unsynced.update(created)
-        self._unsynced.update(os.path.dirname(c) for c in created)
+        # nothing on the put's own path touches the disk: folders and files are write-behind
+        tasks = self._writes.setdefault(gen, [])
+        dirs = self._spawn(self._make_dirs(key, gen, grid))
+        tasks.append(dirs)
         meta = zarr_metadata(grid, t.dtype, codec, {"key": key, "generation": gen})
         meta_path = os.path.join(self._disk.generation_dir(key, gen), "zarr.json")
-        tasks = self._writes.setdefault(gen, [])
-        tasks.append(self._spawn(self._write_file(meta_path, [meta], None)))
+        tasks.append(self._spawn(self._write_file(meta_path, [meta], None, after=dirs)))
         flat = t.reshape(-1)
         chunks: list[tuple[int, int]] = []
         raw_bytes = grid.chunk_numel * t.element_size()
@@ -309,11 +309,19 @@ class AsyncStore:
             chunks.append((payload.numel(), crc))
             path = self._disk.chunk_path(key, gen, grid, i)
             tasks.append(self._spawn(
-                self._write_file(path, [payload.numpy(), crc_trailer(crc)], (gen, i))))
+                self._write_file(path, [payload.numpy(), crc_trailer(crc)], (gen, i), after=dirs)))
         rec = GenRecord.new(key, gen, t.dtype, codec, grid, chunks)
         return rec
 
-    async def _write_file(self, path: str, parts: list[Any], cid: tuple[int, int] | None) -> None:
+    async def _make_dirs(self, key: str, gen: int, grid: ChunkGrid) -> None:
+        created = await self._run_io(self._disk.make_dirs, key, gen, grid, range(grid.n_chunks))
+        self._unsynced.update(created)  # new folders and the folders holding them: synced at commit
+        self._unsynced.update(os.path.dirname(c) for c in created)
+
+    async def _write_file(self, path: str, parts: list[Any], cid: tuple[int, int] | None,
+                          after: asyncio.Task[None] | None = None) -> None:
+        if after is not None:
+            await after  # the generation's folders; their failure fails this write too
         assert self._write_sem is not None
         n = sum(memoryview(p).nbytes for p in parts)
         sync = n >= _SYNC_ON_WRITE_BYTES
@@ -707,15 +715,15 @@ class AsyncStore:
             rec = next((r for r in self._head.values() if r.generation == gen), None)
             if rec is None:
                 continue  # superseded meanwhile: nothing to save
-            self._writes[gen] = [self._spawn(t) for t in self._rewrite(rec)]
+            self._writes[gen] = [self._spawn(t) for t in await self._rewrite(rec)]
             await asyncio.gather(*self._writes[gen])
 
-    def _rewrite(self, rec: GenRecord) -> list[Any]:
+    async def _rewrite(self, rec: GenRecord) -> list[Any]:
         """Write coroutines for every file of ``rec`` whose data is still dirty in RAM."""
         meta = zarr_metadata(rec.grid, rec.torch_dtype, rec.codec_obj,
                              {"key": rec.key, "generation": rec.generation})
         gdir = self._disk.generation_dir(rec.key, rec.generation)
-        self._disk.make_dirs(rec.key, rec.generation, rec.grid, range(rec.grid.n_chunks))
+        await self._make_dirs(rec.key, rec.generation, rec.grid)
         coros = [self._write_file(os.path.join(gdir, "zarr.json"), [meta], None)]
         for i, (_, crc) in enumerate(rec.chunks):
             entry = self._host._entries.get((rec.generation, i))
