@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from tierstore.errors import CodecError
@@ -68,6 +69,17 @@ class Codec(abc.ABC):
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
         return f"{type(self).__name__}({params})"
+
+
+def decode_frame(frame_codec: Any, name: str, data: memoryview, dest: np.ndarray) -> None:
+    """Decompress a numcodecs frame (zstd, blosc) into the uint8 array ``dest``, checking its size."""
+    try:
+        raw = frame_codec.decode(np.frombuffer(data, dtype=np.uint8))
+    except Exception as e:  # numcodecs raises RuntimeError/ValueError on bad frames
+        raise CodecError(f"{name} frame does not decode: {e}") from None
+    if len(raw) != dest.nbytes:
+        raise CodecError(f"{name} frame holds {len(raw)} bytes, expected {dest.nbytes}")
+    dest[:] = np.frombuffer(raw, dtype=np.uint8)
 
 
 def reject_params(name: str, params: dict[str, Any]) -> None:

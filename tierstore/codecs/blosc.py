@@ -8,7 +8,7 @@ import numcodecs
 import numpy as np
 import torch
 
-from tierstore.codecs.base import Codec
+from tierstore.codecs.base import Codec, decode_frame
 from tierstore.codecs.registry import register
 from tierstore.errors import CodecError
 
@@ -59,14 +59,7 @@ class BloscCodec(Codec):
     def decode(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Decompress straight into a new tensor of ``shape`` and ``dtype``."""
         out = torch.empty(shape, dtype=dtype)
-        dest = _typed_numpy(out)
-        try:
-            raw = self._blosc.decode(np.frombuffer(data, dtype=np.uint8))
-        except Exception as e:  # numcodecs raises RuntimeError/ValueError on bad frames
-            raise CodecError(f"blosc frame does not decode: {e}") from None
-        if len(raw) != dest.nbytes:
-            raise CodecError(f"blosc frame holds {len(raw)} bytes, expected {dest.nbytes}")
-        dest.view(np.uint8)[:] = np.frombuffer(raw, dtype=np.uint8)
+        decode_frame(self._blosc, self.name, data, _typed_numpy(out).view(np.uint8))
         return out
 
     def zarr_codecs(self, dtype: torch.dtype) -> list[dict[str, Any]]:

@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import numcodecs
-import numpy as np
 import torch
 
-from tierstore.codecs.base import Codec
+from tierstore.codecs.base import Codec, decode_frame
 from tierstore.codecs.registry import register
 from tierstore.dtypes import as_bytes
 from tierstore.errors import CodecError
@@ -38,14 +37,7 @@ class ZstdCodec(Codec):
     def decode(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Decompress straight into a new tensor of ``shape`` and ``dtype``."""
         out = torch.empty(shape, dtype=dtype)
-        dest = as_bytes(out).numpy()
-        try:
-            raw = self._zstd.decode(np.frombuffer(data, dtype=np.uint8))
-        except Exception as e:  # numcodecs raises RuntimeError/ValueError on bad frames
-            raise CodecError(f"zstd frame does not decode: {e}") from None
-        if len(raw) != dest.nbytes:
-            raise CodecError(f"zstd frame holds {len(raw)} bytes, expected {dest.nbytes}")
-        dest[:] = np.frombuffer(raw, dtype=np.uint8)
+        decode_frame(self._zstd, self.name, data, as_bytes(out).numpy())
         return out
 
     def zarr_codecs(self, dtype: torch.dtype) -> list[dict[str, Any]]:

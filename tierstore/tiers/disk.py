@@ -43,6 +43,16 @@ def crc_trailer(crc: int) -> bytes:
     return crc.to_bytes(4, "little")
 
 
+def _consume(views: list[memoryview], n: int) -> list[memoryview]:
+    """The buffers left to transfer after ``n`` more bytes went through (short reads/writes)."""
+    while views and n >= len(views[0]):
+        n -= len(views[0])
+        views = views[1:]
+    if n:
+        views = [views[0][n:], *views[1:]]
+    return views
+
+
 def checksum(parts: Sequence[Buffer]) -> int:
     """crc32c over the concatenation of ``parts``."""
     value = 0
@@ -118,11 +128,7 @@ class DiskTier:
                 if n == 0:
                     raise DiskError(f"write to {path} made no progress")
                 offset += n
-                while views and n >= len(views[0]):
-                    n -= len(views[0])
-                    views.pop(0)
-                if n:  # a short write: resume inside the first unwritten buffer
-                    views[0] = views[0][n:]
+                views = _consume(views, n)  # a short write resumes inside its buffer
             if sync:
                 self._io_site("fsync", path)
                 os.fdatasync(fd)
@@ -158,11 +164,7 @@ class DiskTier:
                     raise CorruptData(f"chunk file of {key!r} chunk {chunk} ended early: {path}",
                                       key, chunk)
                 offset += n
-                while pending and n >= len(pending[0]):
-                    n -= len(pending[0])
-                    pending.pop(0)
-                if n:
-                    pending[0] = pending[0][n:]
+                pending = _consume(pending, n)
         except OSError as e:
             raise DiskError(f"reading {path} failed: {e.strerror} (errno {e.errno})") from e
         finally:
