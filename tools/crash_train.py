@@ -199,7 +199,8 @@ class TrialResult:
     errors: list[str] = field(default_factory=list)
 
 
-def _first_log_difference(logs: list[dict[str, Any]], ref: Reference) -> str | None:
+def first_log_difference(logs: list[dict[str, Any]], ref: Reference) -> str | None:
+    """The first logged step (in step order) whose exact fields differ from the reference's."""
     for e in sorted(logs, key=lambda e: e["step"]):
         want = ref.logs.get(e["step"])
         if want != e:
@@ -241,7 +242,7 @@ def trial(out: str, ref: Reference, steps: int, rng: random.Random, max_kills: i
     else:
         res.errors.append("the run did not reach its last step")
         return res
-    diff = _first_log_difference(logs, ref)
+    diff = first_log_difference(logs, ref)
     if diff is None and sorted({e["step"] for e in logs}) != list(range(1, steps + 1)):
         diff = f"logged steps {sorted({e['step'] for e in logs})}, not 1..{steps}"
     step, faults = open_and_verify(store_path)
@@ -250,7 +251,7 @@ def trial(out: str, ref: Reference, steps: int, rng: random.Random, max_kills: i
         return res
     tensors, state_log = final_tensors(store_path)
     if diff is None:
-        diff = _first_log_difference(state_log, ref)  # the history carried through the checkpoints
+        diff = first_log_difference(state_log, ref)  # the history carried through the checkpoints
     if diff is not None:
         res.differing.append(f"trajectory differs at {diff}")
     if set(tensors) != set(ref.tensors):
