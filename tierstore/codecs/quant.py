@@ -212,8 +212,10 @@ def _run(name: str, n: int, block: int, bits: int, signed: bool, stochastic: boo
         # ``_eager``'s closures: 4 widths x 2 modes x blocks x 2 kernels overflow its default
         # limit of 8, past which it silently runs eager. Raise it (never lower it).
         limit = len(_COMPILED) + 8
-        if torch._dynamo.config.recompile_limit < limit:
-            torch._dynamo.config.recompile_limit = limit
+        cfg = torch._dynamo.config
+        field = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # torch < 2.6
+        if getattr(cfg, field) < limit:
+            setattr(cfg, field, limit)
         # not dynamic=True: that would make block and bits symbolic too and defeat vectorizing
         fn = _COMPILED[key] = torch.compile(_eager(*key))
     for a in args:  # only the element counts vary between chunks
