@@ -41,16 +41,22 @@ def evict(path: str) -> None:
             os.close(fd)
 
 
-def median_time(fn: Callable[[], None], repeats: int, setup: Callable[[], None] | None = None) -> float:
-    """Median wall time of ``fn`` over ``repeats`` runs (``setup`` untimed before each)."""
-    times = []
+def paired_medians(store_fn: Callable[[], None], base_fn: Callable[[], None], repeats: int,
+                   setup: Callable[[], None] | None = None) -> tuple[float, float]:
+    """Median wall times of ``store_fn`` and ``base_fn``, run alternately (``setup`` untimed).
+
+    Alternating keeps a shared machine's drift (other jobs, page-cache and allocator state) from
+    landing on one side only.
+    """
+    times: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        if setup:
-            setup()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for side, fn in enumerate((store_fn, base_fn)):
+            if setup:
+                setup()
+            t0 = time.perf_counter()
+            fn()
+            times[side].append(time.perf_counter() - t0)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def run(root: str, total: int, tensor_bytes: int, repeats: int) -> list[tuple[str, float, float]]:
@@ -84,9 +90,9 @@ def run(root: str, total: int, tensor_bytes: int, repeats: int) -> list[tuple[st
             s.commit(step=0)
 
     rows = []
-    raw_w = median_time(raw_write, repeats, clean)
-    st_w = median_time(store_put, repeats, clean)
-    raw_write()  # the files the read baseline reads
+    st_w, raw_w = paired_medians(store_put, raw_write, repeats, clean)
+    store_put()
+    raw_write()  # the files the get benchmarks read
     rows.append(("put + commit (fsync)", nbytes / st_w, nbytes / raw_w))
 
     def raw_read() -> None:
@@ -100,18 +106,22 @@ def run(root: str, total: int, tensor_bytes: int, repeats: int) -> list[tuple[st
             for i in range(n):
                 s.get(f"layers.{i}.weight")
 
-    raw_r = median_time(raw_read, repeats, lambda: evict(raw_dir))
-    st_r = median_time(store_get, repeats, lambda: evict(store_dir))
+    def evict_both() -> None:
+        evict(raw_dir)
+        evict(store_dir)
+
+    st_r, raw_r = paired_medians(store_get, raw_read, repeats, evict_both)
     rows.append(("cold get (page cache dropped)", nbytes / st_r, nbytes / raw_r))
 
     with tierstore.open(store_dir, mode="r", **opts) as s:
         keys = [f"layers.{i}.weight" for i in range(min(n, 2))]
         s.prefetch(keys, to="host", wait=True)  # now in the RAM tier
         warm_bytes = len(keys) * tensor_bytes
-        st_h = median_time(lambda: [s.get(k) for k in keys], repeats * 3)
+        src = tensors[: len(keys)]
+        st_h, memcpy = paired_medians(lambda: [s.get(k) for k in keys],
+                                      lambda: [torch.empty_like(t).copy_(t) for t in src],
+                                      repeats * 3)
         hits = s.stats()["hits_host"]
-    src = tensors[: len(keys)]
-    memcpy = median_time(lambda: [torch.empty_like(t).copy_(t) for t in src], repeats * 3)
     assert hits > 0
     rows.append(("warm get (RAM tier) vs memcpy", warm_bytes / st_h, warm_bytes / memcpy))
     return rows
