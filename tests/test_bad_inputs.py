@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import tierstore
+from tierstore.safetensors import read_header
 from tools import cli
 from tools.errors import MalformedInput
-from tools.safetensors_format import read_header
 
 
 @pytest.fixture

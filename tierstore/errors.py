@@ -58,3 +58,7 @@ class StoreNotFound(StoreError, FileNotFoundError):
 
 class InvalidIndex(StoreError, IndexError):
     """A get index (slice or rows) does not fit the tensor's dim 0."""
+
+
+class MalformedFile(StoreError, ValueError):
+    """A foreign file (safetensors, index, config) breaks its format; the message names it."""

@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._module.run(args))
     except ToolError as e:
         return _fail(name, str(e), e.exit_code)
+    except tierstore.MalformedFile as e:
+        return _fail(name, str(e), EXIT_FAULT)
     except tierstore.StoreNotFound as e:
         return _fail(name, str(e), EXIT_USAGE)
     except tierstore.StoreLocked as e:

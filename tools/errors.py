@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tierstore.errors import StoreError
+from tierstore.errors import MalformedFile, StoreError
 
 #: exit codes of every ``tierstore`` command
 EXIT_OK = 0
@@ -25,7 +25,6 @@ class UsageError(ToolError):
     exit_code = EXIT_USAGE
 
 
-class MalformedInput(ToolError):
-    """An input file (safetensors, index, config) breaks its format; the message names it."""
-
-    exit_code = EXIT_FAULT
+#: an input file (safetensors, index, config) breaks its format; exit code 1. The store's
+#: safetensors parser raises it too, so it is tierstore's class under the tools' name.
+MalformedInput = MalformedFile

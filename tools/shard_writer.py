@@ -18,8 +18,8 @@ import torch
 from tqdm import tqdm
 
 import tierstore
+from tierstore.safetensors import header_bytes
 from tools.errors import UsageError
-from tools.safetensors_format import header_bytes
 from tools.tensor_stream import as_bytes, iter_pieces, out_dtype
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -15,13 +15,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+
+import tierstore.safetensors
 
 
 class UnsupportedModelError(ValueError):
@@ -189,37 +190,16 @@ def to_meta_(model: nn.Module) -> None:
             mod._parameters[name] = seen[id(p)]
 
 
-# safetensors files are read with plain preads, not mmap: touched mmap pages count in the RSS.
-_ST_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
 def read_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from a safetensors file one tensor at a time, in file order."""
+    """Yield (name, tensor) from a safetensors file one tensor at a time, in file order.
+
+    The header is validated by tierstore's parser (the one ``tierstore import`` uses) and the
+    bytes are read with plain preads, not mmap: touched mmap pages count in the RSS.
+    """
+    header = tierstore.safetensors.read_header(path)
     with open(path, "rb") as f:
-        (hlen,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(hlen))
-        header.pop("__metadata__", None)
-        base = 8 + hlen
-        fd = f.fileno()
-        for name, meta in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            start, end = meta["data_offsets"]
-            dtype = _ST_DTYPES.get(meta["dtype"])
-            if dtype is None:
-                raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {meta['dtype']}")
-            buf = bytearray(end - start)
-            view = memoryview(buf)
-            got = 0
-            while got < len(buf):
-                n = os.preadv(fd, [view[got:]], base + start + got)
-                if n <= 0:
-                    raise ValueError(f"{path}: truncated while reading tensor {name!r}")
-                got += n
-            t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
-            yield name, t.reshape(meta["shape"])
+        for entry in sorted(header.tensors, key=lambda e: e.start):
+            yield entry.name, tierstore.safetensors.read_tensor(f.fileno(), entry)
 
 
 def safetensors_files(path: str) -> list[str]:

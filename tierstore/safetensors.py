@@ -6,7 +6,8 @@ relative to the data start), plus an optional ``"__metadata__"`` map of strings.
 follow the reference implementation (huggingface/safetensors ``validate``): the header must be a
 JSON object within the file and at most 100 MB, names unique and valid store keys, dtypes known,
 and the tensors must tile the data exactly (no overlap, no gap, sizes equal to shape * itemsize).
-Tensor bytes are read with ``os.preadv``; nothing is ever unpickled.
+Tensor bytes are read with ``os.preadv``; nothing is ever unpickled. It lives in tierstore so
+that both the ``tierstore import`` command and the trainer's ``load_model`` validate the same way.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from typing import Any
 
 import torch
 
-import tierstore
-from tools.errors import MalformedInput
+from tierstore.errors import InvalidKey, MalformedFile
+from tierstore.keys import validate_key
 
 #: safetensors' own limit on the header (MAX_HEADER_SIZE in the reference implementation)
 MAX_HEADER_BYTES = 100_000_000
@@ -64,75 +65,75 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     for k, v in pairs:
         if k in seen:
-            raise MalformedInput(f"duplicate name {k!r} in the header")
+            raise MalformedFile(f"duplicate name {k!r} in the header")
         seen[k] = v
     return seen
 
 
 def _entry(name: str, raw: Any, data_len: int, data_start: int) -> TensorEntry:
     if not isinstance(raw, dict) or set(raw) != {"dtype", "shape", "data_offsets"}:
-        raise MalformedInput(f"tensor {name!r}: an entry needs exactly dtype, shape and "
+        raise MalformedFile(f"tensor {name!r}: an entry needs exactly dtype, shape and "
                              f"data_offsets, got {raw!r:.200}")
     code, shape, offsets = raw["dtype"], raw["shape"], raw["data_offsets"]
     if not isinstance(code, str) or code not in DTYPES:
-        raise MalformedInput(f"tensor {name!r}: dtype {code!r:.40} is unknown or not storable; "
+        raise MalformedFile(f"tensor {name!r}: dtype {code!r:.40} is unknown or not storable; "
                              f"known: {', '.join(DTYPES)}")
     if not isinstance(shape, list) or not all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
-        raise MalformedInput(f"tensor {name!r}: shape must be a list of non-negative ints, "
+        raise MalformedFile(f"tensor {name!r}: shape must be a list of non-negative ints, "
                              f"got {shape!r:.100}")
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(
             isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
-        raise MalformedInput(f"tensor {name!r}: data_offsets must be [begin, end] ints, "
+        raise MalformedFile(f"tensor {name!r}: data_offsets must be [begin, end] ints, "
                              f"got {offsets!r:.100}")
     begin, end = offsets
     if not 0 <= begin <= end <= data_len:
-        raise MalformedInput(f"tensor {name!r}: data_offsets [{begin}, {end}] are outside the "
+        raise MalformedFile(f"tensor {name!r}: data_offsets [{begin}, {end}] are outside the "
                              f"{data_len} data bytes of the file")
     itemsize = DTYPES[code].itemsize
     want = math.prod(shape) * itemsize
     if end - begin != want:
-        raise MalformedInput(f"tensor {name!r}: data_offsets span {end - begin} bytes but shape "
+        raise MalformedFile(f"tensor {name!r}: data_offsets span {end - begin} bytes but shape "
                              f"{shape} of {code} needs {want}")
     try:
-        tierstore.validate_key(name)
-    except tierstore.InvalidKey as e:
-        raise MalformedInput(f"tensor name {name[:80]!r} is not a valid store key: {e}") from None
+        validate_key(name)
+    except InvalidKey as e:
+        raise MalformedFile(f"tensor name {name[:80]!r} is not a valid store key: {e}") from None
     return TensorEntry(name, DTYPES[code], tuple(shape), data_start + begin, data_start + end)
 
 
 def read_header(path: str) -> SafetensorsHeader:
-    """Parse and validate the header of ``path``; MalformedInput names the file and the problem."""
+    """Parse and validate the header of ``path``; MalformedFile names the file and the problem."""
     try:
         return _read_header(path)
-    except MalformedInput as e:
-        raise MalformedInput(f"{path}: {e}") from None
+    except MalformedFile as e:
+        raise MalformedFile(f"{path}: {e}") from None
 
 
 def _read_header(path: str) -> SafetensorsHeader:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size < 8:
-            raise MalformedInput(f"{size} bytes is too short for a safetensors file (8-byte header "
+            raise MalformedFile(f"{size} bytes is too short for a safetensors file (8-byte header "
                                  "length missing)")
         n = int.from_bytes(f.read(8), "little")
         if n > MAX_HEADER_BYTES:
-            raise MalformedInput(f"header length {n} is over the {MAX_HEADER_BYTES}-byte limit")
+            raise MalformedFile(f"header length {n} is over the {MAX_HEADER_BYTES}-byte limit")
         if n > size - 8:
-            raise MalformedInput(f"header length {n} is larger than the file ({size} bytes)")
+            raise MalformedFile(f"header length {n} is larger than the file ({size} bytes)")
         if n < 2:
-            raise MalformedInput(f"header length {n} is too short for a JSON object")
+            raise MalformedFile(f"header length {n} is too short for a JSON object")
         blob = f.read(n)
     try:
         header = json.loads(blob.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (ValueError, RecursionError) as e:  # Unicode/JSONDecodeError are ValueErrors
-        raise MalformedInput(f"the header is not valid UTF-8 JSON ({e})") from None
+        raise MalformedFile(f"the header is not valid UTF-8 JSON ({e})") from None
     if not isinstance(header, dict):
-        raise MalformedInput(f"the header is JSON {type(header).__name__}, not an object")
+        raise MalformedFile(f"the header is JSON {type(header).__name__}, not an object")
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise MalformedInput("__metadata__ must map strings to strings")
+        raise MalformedFile("__metadata__ must map strings to strings")
     data_start = 8 + n
     data_len = size - data_start
     entries = [_entry(name, raw, data_len, data_start) for name, raw in header.items()]
@@ -140,15 +141,15 @@ def _read_header(path: str) -> SafetensorsHeader:
     pos = data_start
     for e in sorted(entries, key=lambda e: (e.start, e.stop)):
         if e.start < pos:
-            raise MalformedInput(f"tensor {e.name!r} overlaps the previous tensor's bytes "
+            raise MalformedFile(f"tensor {e.name!r} overlaps the previous tensor's bytes "
                                  f"(starts at data offset {e.start - data_start}, the previous "
                                  f"ends at {pos - data_start})")
         if e.start > pos:
-            raise MalformedInput(f"{e.start - pos} bytes before tensor {e.name!r} belong to no "
+            raise MalformedFile(f"{e.start - pos} bytes before tensor {e.name!r} belong to no "
                                  "tensor")
         pos = e.stop
     if pos != size:
-        raise MalformedInput(f"{size - pos} bytes after the last tensor belong to no tensor")
+        raise MalformedFile(f"{size - pos} bytes after the last tensor belong to no tensor")
     return SafetensorsHeader(path, tuple(entries), dict(metadata))
 
 
@@ -160,7 +161,7 @@ def read_tensor(fd: int, entry: TensorEntry) -> torch.Tensor:
     while done < entry.nbytes:
         n = os.preadv(fd, [view[done:]], entry.start + done)
         if n == 0:
-            raise MalformedInput(f"tensor {entry.name!r}: the file ended early")
+            raise MalformedFile(f"tensor {entry.name!r}: the file ended early")
         done += n
     return buf.view(entry.dtype).reshape(entry.shape)
 
