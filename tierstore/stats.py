@@ -27,6 +27,7 @@ class Counters:
     gets: int = 0
     commits: int = 0
     prefetched_chunks: int = 0
+    prefetch_errors: int = 0
 
 
 class Tracer:

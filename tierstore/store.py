@@ -94,7 +94,6 @@ class AsyncStore:
         self._read_sem: asyncio.Semaphore | None = None
         self._commit_lock: asyncio.Lock | None = None
         self._closed = False
-        self.prefetch_errors = 0
 
     # ---------------------------------------------------------------- open / close
 
@@ -599,7 +598,7 @@ class AsyncStore:
                     await self._load_chunk(rec, i, cache="try")
                     self.stats_counters.prefetched_chunks += 1
         except StoreError:
-            self.prefetch_errors += 1  # a hint failed; the real read reports the error
+            self.stats_counters.prefetch_errors += 1  # a hint failed; the real read reports it
 
     async def _prefetch_device(self, rec: GenRecord) -> None:
         try:
@@ -611,7 +610,7 @@ class AsyncStore:
             if self._window.lookup(rec.generation) is None:
                 await self._admit(rec.generation, await self._read(rec, None), wait=False)
         except StoreError:
-            self.prefetch_errors += 1
+            self.stats_counters.prefetch_errors += 1
 
     def mark_step(self) -> None:
         """Close a step of the access trace; the predictor learns from it."""
@@ -676,7 +675,7 @@ class AsyncStore:
             "ram_budget": self._host.budget, "device_budget": self._window.budget,
             "prediction_accuracy": self._predictor.accuracy, "puts": c.puts, "gets": c.gets,
             "commits": c.commits, "prefetched_chunks": c.prefetched_chunks,
-            "prefetch_errors": self.prefetch_errors, "dirty_chunks": self._host.dirty_count(),
+            "prefetch_errors": c.prefetch_errors, "dirty_chunks": self._host.dirty_count(),
         }
 
     async def verify(self, keys: Sequence[str] | None = None) -> list[CorruptData]:
@@ -726,10 +725,10 @@ class AsyncStore:
         await self._make_dirs(rec.key, rec.generation, rec.grid)
         coros = [self._write_file(os.path.join(gdir, "zarr.json"), [meta], None)]
         for i, (_, crc) in enumerate(rec.chunks):
-            entry = self._host._entries.get((rec.generation, i))
-            if entry is not None and entry.dirty:
+            payload = self._host.dirty_payload((rec.generation, i))
+            if payload is not None:
                 path = self._disk.chunk_path(rec.key, rec.generation, rec.grid, i)
-                coros.append(self._write_file(path, [entry.data.numpy(), crc_trailer(crc)],
+                coros.append(self._write_file(path, [payload.numpy(), crc_trailer(crc)],
                                               (rec.generation, i)))
         return coros
 

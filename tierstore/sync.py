@@ -80,6 +80,11 @@ class Store:
         _OPEN_STORES.add(self)
 
     @property
+    def closed(self) -> bool:
+        """Whether ``close()`` has run."""
+        return self._loop is None
+
+    @property
     def async_store(self) -> AsyncStore:
         """The AsyncStore behind this facade (its coroutines run on the facade's loop)."""
         return self._a

@@ -8,7 +8,6 @@ the last commit's step with the same data order and RNG state.
 
 from __future__ import annotations
 
-import atexit
 import json
 import math
 import os
@@ -52,7 +51,6 @@ class SessionConfig:
 
 _session = SessionConfig()
 _open_stores: dict[str, Any] = {}
-_exit_hook = False
 
 
 def _budget(gb: float | str | None, what: str) -> int | str | None:
@@ -96,27 +94,14 @@ def open_store(path: str, mode: str = "a") -> Any:
     """The session's store at ``path``: opened once per process with the configured budgets."""
     path = os.path.abspath(path)
     store = _open_stores.get(path)
-    if store is not None and not getattr(store, "closed", False):
+    if store is not None and not store.closed:
         return store
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     store = tierstore.open(path, mode=mode, ram_budget=_session.ram_budget, device_budget=_session.device_budget,
                            device=str(_device()))
-    global _exit_hook
-    if not _exit_hook:
-        _exit_hook = True
-        # A store left open (a failed run) must be closed before interpreter teardown stops its
-        # event-loop thread; closing it from a finalizer after that point hangs the exit.
-        atexit.register(_close_all)
+    # a store left open by a failed run is closed at exit, without a commit, by tierstore itself
     _open_stores[path] = store
     return store
-
-
-def _close_all() -> None:
-    for store in list(_open_stores.values()):
-        try:
-            close_store(store)
-        except Exception:  # noqa: BLE001  (exit must go on; the last commit is intact on disk)
-            pass
 
 
 def close_store(store: Any) -> None:
@@ -124,12 +109,9 @@ def close_store(store: Any) -> None:
     for path, s in list(_open_stores.items()):
         if s is store:
             del _open_stores[path]
-    try:
-        # No implicit "close" commit: the head after the last checkpoint would pair new weights
-        # with the trainer state of the old one. Plain close() where the store lacks the option.
-        store.close(commit=False)
-    except TypeError:
-        store.close()
+    # No implicit "close" commit: the head after the last checkpoint would pair new weights
+    # with the trainer state of the old one.
+    store.close(commit=False)
 
 
 def load_model(path_or_config: Any) -> nn.Module:

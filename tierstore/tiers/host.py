@@ -105,6 +105,11 @@ class HostTier:
         self._entries.move_to_end(cid)
         return e.data
 
+    def dirty_payload(self, cid: ChunkId) -> torch.Tensor | None:
+        """The chunk's payload if it is held and not yet on disk (a write to retry)."""
+        e = self._entries.get(cid)
+        return e.data if e is not None and e.dirty else None
+
     def holds(self, cid: ChunkId) -> bool:
         """Whether the chunk is held, without touching its recency."""
         return cid in self._entries
