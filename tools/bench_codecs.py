@@ -2,15 +2,18 @@
 
 Run ``python -m tools.bench_codecs [--steps N] [--chunk-mib M] [--repeats R]``. Moments come
 from a short AdamW run of a tiny byte-level Llama (``tools.moments``); the parameters the
-trainer's policy would quantize (2-D, >= 4096 elements) are concatenated into one m and one v.
-Each quantized codec stores m signed and v unsigned, as the policy chooses; "q4 signed v" shows
-what a signed map does to v. torchao's 8-bit and 4-bit optimizer states (block 128, its
-AdamW8bit/AdamW4bit subclasses, eager) run side by side when torchao imports.
+trainer's policy would quantize (2-D, >= 4096 elements) are each encoded in their own shape, as
+the store encodes a chunk. Each quantized codec stores m signed and v unsigned, as the policy
+chooses; "q4 signed v" shows what a signed map does to v. torchao's 8-bit and 4-bit optimizer
+states (block 128, its AdamW8bit/AdamW4bit subclasses; eager, and the 4-bit one also under
+``torch.compile`` as its optimizers run it) run side by side when torchao imports.
 
 Columns: ratio = fp32 bytes / stored bytes (scales included) over m and v; m err, v err =
-relative L2 error; v+ -> 0 = fraction of positive v decoded to zero; upd err = relative L2
-error of Adam's update m / (sqrt(v) + 1e-8) from decoded states; GB/s = fp32 bytes of m and v
-encoded and decoded per second (median of --repeats runs) on --chunk-mib chunks.
+relative L2 error over all captured tensors; v+ -> 0 = fraction of positive v decoded to zero;
+upd err = relative L2 error of Adam's update m / (sqrt(v) + 1e-8) from decoded states; syn m,
+syn v = relative L2 error on ``tools.moments.synthetic_moments`` (heavy-tailed, many decades)
+as a (rows, 256) matrix; GB/s = fp32 bytes of m and v encoded and decoded per second (median
+of --repeats runs) on one --chunk-mib chunk each, the captured matrices tiled by rows.
 
 Allocator note: glibc hands chunks over 32 MiB (and, after trimming, smaller ones) back to the
 OS, so every new output tensor page-faults in again; in a VM that costs more than the codec
@@ -31,7 +34,7 @@ import torch
 
 from tierstore import codecs
 from tierstore.codecs import quant
-from tools.moments import captured_moments
+from tools.moments import captured_moments, synthetic_moments
 
 RoundTrip = Callable[[torch.Tensor], torch.Tensor]
 
@@ -49,9 +52,12 @@ def codec_round_trip(codec: codecs.Codec) -> tuple[RoundTrip, Callable[[torch.Te
     return rt, size
 
 
-def torchao_round_trip(bits: int, signed: bool,
-                       block: int = 128) -> tuple[RoundTrip, Callable[[torch.Tensor], int]] | None:
-    """torchao's optimizer-state quantization as (round trip, stored bytes), or None."""
+def torchao_round_trip(bits: int, signed: bool, block: int = 128, compiled: bool = False
+                       ) -> tuple[RoundTrip, Callable[[torch.Tensor], int]] | None:
+    """torchao's optimizer-state quantization as (round trip, stored bytes), or None.
+
+    ``compiled`` runs the whole round trip under ``torch.compile``, as torchao's optimizers do.
+    """
     try:
         if bits == 4:
             from torchao.optim.subclass_4bit import OptimState4bit as State
@@ -67,6 +73,10 @@ def torchao_round_trip(bits: int, signed: bool,
         st = State.zeros(padded.shape, signed=signed, block_size=block)
         st.copy_(padded)
         return st.dequantize()[: flat.numel()].view(x.shape)
+
+    if compiled:
+        # one graph per shape: torchao's tensor subclass does not take symbolic sizes
+        rt = torch.compile(rt, dynamic=False)
 
     def size(x: torch.Tensor) -> int:
         return -(-x.numel() * bits // 8) + 4 * -(-x.numel() // block)
@@ -99,22 +109,27 @@ def rel_err(y: torch.Tensor, x: torch.Tensor) -> float:
     return float((y.double() - x.double()).norm() / x.double().norm())
 
 
+def _flat(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([x.reshape(-1) for x in xs])
+
+
 def measure(name: str, m_rt: tuple[RoundTrip, Callable], v_rt: tuple[RoundTrip, Callable],
-            m: torch.Tensor, v: torch.Tensor, chunk: int, repeats: int) -> dict[str, object]:
+            ms: list[torch.Tensor], vs: list[torch.Tensor], synthetic: tuple[torch.Tensor, torch.Tensor],
+            timing: tuple[torch.Tensor, torch.Tensor], repeats: int) -> dict[str, object]:
     """One table row for a (m codec, v codec) pair."""
     (rt_m, size_m), (rt_v, size_v) = m_rt, v_rt
-    chunks_m, chunks_v = m.split(chunk), v.split(chunk)
-    m2 = torch.cat([rt_m(c) for c in chunks_m])
-    v2 = torch.cat([rt_v(c) for c in chunks_v])
-    stored = sum(size_m(c) for c in chunks_m) + sum(size_v(c) for c in chunks_v)
+    m, v = _flat(ms), _flat(vs)
+    m2 = _flat([rt_m(x) for x in ms])
+    v2 = _flat([rt_v(x) for x in vs])
+    stored = sum(size_m(x) for x in ms) + sum(size_v(x) for x in vs)
     upd = m / (v.sqrt() + 1e-8)
     upd2 = m2 / (v2.clamp_min(0).sqrt() + 1e-8)
+    sm, sv = synthetic
+    tm, tv = timing
 
     def both() -> None:
-        for c in chunks_m:
-            rt_m(c)
-        for c in chunks_v:
-            rt_v(c)
+        rt_m(tm)
+        rt_v(tv)
     secs = median_seconds(both, repeats)
     return {
         "codec": name,
@@ -123,7 +138,9 @@ def measure(name: str, m_rt: tuple[RoundTrip, Callable], v_rt: tuple[RoundTrip, 
         "v err": rel_err(v2, v),
         "v+ -> 0": float(((v > 0) & (v2 <= 0)).sum()) / max(1, int((v > 0).sum())),
         "upd err": rel_err(upd2, upd),
-        "GB/s": (m.nbytes + v.nbytes) / secs / 1e9,
+        "syn m": rel_err(rt_m(sm), sm),
+        "syn v": rel_err(rt_v(sv), sv),
+        "GB/s": (tm.nbytes + tv.nbytes) / secs / 1e9,
     }
 
 
@@ -131,7 +148,7 @@ def print_table(rows: list[dict[str, object]]) -> None:
     """A plain-text table, one row per codec."""
     cols = list(rows[0])
     fmt = {"ratio": "{:.2f}", "m err": "{:.4f}", "v err": "{:.4f}", "v+ -> 0": "{:.4f}",
-           "upd err": "{:.4f}", "GB/s": "{:.3f}"}
+           "upd err": "{:.4f}", "syn m": "{:.4f}", "syn v": "{:.4f}", "GB/s": "{:.3f}"}
     cells = [[fmt.get(c, "{}").format(r[c]) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
@@ -157,34 +174,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(0)
     moments = captured_moments(steps=args.steps, hidden=args.hidden, layers=args.layers)
     big = [mv for mv in moments.values() if mv[0].dim() >= 2 and mv[0].numel() >= 4096]
-    m = torch.cat([a.reshape(-1) for a, _ in big])
-    v = torch.cat([b.reshape(-1) for _, b in big])
-    # tile to at least one chunk so throughput is measured on chunk-sized work
-    chunk = max(1024, int(args.chunk_mib * 2**20 / 4))
-    reps = max(1, -(-chunk // m.numel()))
-    m, v = m.repeat(reps), v.repeat(reps)
-    print(f"moments: {m.numel() // reps} values after {args.steps} AdamW steps "
-          f"(tiled x{reps} to {m.numel()}), v > 0: {float((v > 0).float().mean()):.3f}, "
-          f"chunk {chunk} values, kernels: {args.compile}, threads: {torch.get_num_threads()}, "
-          f"keep-heap: {heap}")
+    ms, vs = [a for a, _ in big], [b for _, b in big]
+    synthetic = tuple(x.view(-1, 256) for x in synthetic_moments(1 << 18, seed=0))
+    # timing chunks: the captured matrices' rows (all as wide as the model), tiled to one chunk
+    width = args.hidden
+    rows_m = torch.cat([a.reshape(-1, width) for a in ms])
+    rows_v = torch.cat([b.reshape(-1, width) for b in vs])
+    chunk_rows = max(1, int(args.chunk_mib * 2**20 / 4) // width)
+    reps = -(-chunk_rows // rows_m.shape[0])
+    timing = (rows_m.repeat(reps, 1)[:chunk_rows].contiguous(),
+              rows_v.repeat(reps, 1)[:chunk_rows].contiguous())
+    print(f"moments: {sum(a.numel() for a in ms)} values in {len(ms)} matrices after "
+          f"{args.steps} AdamW steps, v > 0: {float((_flat(vs) > 0).float().mean()):.3f}; "
+          f"timing chunk {tuple(timing[0].shape)}, kernels: {args.compile}, "
+          f"threads: {torch.get_num_threads()}, keep-heap: {heap}")
     rows = []
+    data = (ms, vs, synthetic, timing, args.repeats)
     for name in ("raw", "zstd", "blosc"):
         c = codec_round_trip(codecs.get(name))
-        rows.append(measure(name, c, c, m, v, chunk, args.repeats))
+        rows.append(measure(name, c, c, *data))
     for name in ("q8", "q4", "q3", "q2"):
         rows.append(measure(f"{name} (m signed, v unsigned)",
                             codec_round_trip(codecs.get(name, signed=True)),
-                            codec_round_trip(codecs.get(name, signed=False)),
-                            m, v, chunk, args.repeats))
+                            codec_round_trip(codecs.get(name, signed=False)), *data))
     q4s = codec_round_trip(codecs.get("q4", signed=True))
-    rows.append(measure("q4 signed v (ablation)", q4s, q4s, m, v, chunk, args.repeats))
-    for bits in (8, 4):
-        pair = (torchao_round_trip(bits, True), torchao_round_trip(bits, False))
+    rows.append(measure("q4 signed v (ablation)", q4s, q4s, *data))
+    for bits, compiled in ((8, False), (4, False), (4, True)):
+        pair = (torchao_round_trip(bits, True, compiled=compiled),
+                torchao_round_trip(bits, False, compiled=compiled))
         if pair[0] is None or pair[1] is None:
             print("torchao not installed")
             break
-        rows.append(measure(f"torchao {bits}-bit (block 128)", pair[0], pair[1], m, v,
-                            chunk, args.repeats))
+        label = f"torchao {bits}-bit (block 128{', compiled' if compiled else ''})"
+        rows.append(measure(label, pair[0], pair[1], *data))
     print_table(rows)
     return 0
 

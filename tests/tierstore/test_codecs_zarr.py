@@ -103,3 +103,22 @@ def test_zarr_writes_what_tierstore_reads(tmp_path: pathlib.Path) -> None:
                         torch.float32)
     assert torch.equal(back, mine)
     np.testing.assert_array_equal(arr[...][32:], mine.numpy())
+
+
+def test_spec_of_the_old_block_layout_is_refused(tmp_path: pathlib.Path) -> None:
+    """tierstore 0.1.0 wrote q-codec specs without "scales"; those bytes are not readable now,
+    so both the catalog path and plain zarr refuse them instead of decoding wrong values."""
+    old = {"name": "q4", "signed": False, "block": 128, "rounding": "nearest"}
+    with pytest.raises(tierstore.CodecError, match="0.1.0"):
+        codecs.from_spec(old)
+    assert codecs.from_spec({**old, "scales": "rank1"}) == codecs.get("q4", signed=False)
+    with pytest.raises(tierstore.CodecError, match="scales"):
+        codecs.get("q4", scales="block")
+    t = torch.rand(8, 8)
+    _write_array(tmp_path / "old", codecs.get("q4", signed=False), t, (8, 8), "float32")
+    meta_path = tmp_path / "old" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["codecs"][0]["configuration"]["scales"]
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(tierstore.CodecError, match="0.1.0"):
+        zarr.open_array(tmp_path / "old", mode="r")[...]

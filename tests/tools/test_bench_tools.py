@@ -13,8 +13,8 @@ def _rows(out: str) -> dict[str, list[str]]:
     rows = {}
     for line in out.splitlines():
         parts = line.split()
-        if len(parts) >= 7 and parts[-1].replace(".", "", 1).isdigit():
-            rows[" ".join(parts[:-6])] = parts[-6:]
+        if len(parts) >= 9 and parts[-1].replace(".", "", 1).isdigit():
+            rows[" ".join(parts[:-8])] = parts[-8:]
     return rows
 
 
@@ -23,10 +23,10 @@ def test_bench_codecs_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_codecs.main(["--steps", "2", "--hidden", "64", "--layers", "1",
                               "--chunk-mib", "0.5", "--repeats", "1", "--compile", "never"]) == 0
     rows = _rows(capsys.readouterr().out)
-    ratio, m_err, v_err, zeroed, _, _ = rows["raw"]
-    assert (ratio, m_err, v_err) == ("1.00", "0.0000", "0.0000")
+    ratio, m_err, v_err, zeroed, _, syn_m, syn_v, _ = rows["raw"]
+    assert (ratio, m_err, v_err, syn_m, syn_v) == ("1.00", "0.0000", "0.0000", "0.0000", "0.0000")
     for name, bits in (("q8", 8), ("q4", 4), ("q2", 2)):
-        ratio, m_err, v_err, zeroed, _, _ = rows[f"{name} (m signed, v unsigned)"]
+        ratio, m_err, v_err, zeroed, *_ = rows[f"{name} (m signed, v unsigned)"]
         assert float(zeroed) == 0.0
         assert 32 / (bits + 1) < float(ratio) <= 32 / bits
     assert float(rows["q8 (m signed, v unsigned)"][1]) < 0.02
@@ -56,9 +56,11 @@ def test_round_trip_states_matches_codec() -> None:
 def test_bench_convergence_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench_convergence.main(["--steps", "6", "--hidden", "64", "--layers", "1",
                                    "--batch", "2", "--seq", "32", "--codecs", "q8",
-                                   "--noise-seeds", "0"]) == 0
+                                   "--seeds", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()
+    assert sum("seed" in ln and "train" in ln for ln in lines) == 4  # 2 seeds x (fp32, q8)
     fp32 = next(ln for ln in lines if ln.split()[:1] == ["fp32"] and "%" in ln).split()
     q8 = next(ln for ln in lines if ln.split()[:1] == ["q8"] and "%" in ln).split()
     assert float(fp32[1]) == 0.0 and 0 < float(q8[1]) < 1
+    assert fp32[3] == "+0.00%"  # fp32 against itself, per seed
     assert abs(float(q8[2]) - float(fp32[2])) / float(fp32[2]) < 0.05

@@ -133,7 +133,8 @@ def test_moments_go_through_the_configured_codec(dataset: Any, tmp_path: Any) ->
     assert runs["zstd"][0] == runs["raw"][0]
     assert torch.equal(runs["zstd"][1], runs["raw"][1])
     # q4: v unsigned with stochastic rounding, 1-D tensors keep raw moments (codecs.policy)
-    assert runs["q4"][2] == {"name": "q4", "signed": False, "block": 128, "rounding": "stochastic"}
+    assert runs["q4"][2] == {"name": "q4", "signed": False, "block": 128, "rounding": "stochastic",
+                             "scales": "rank1"}
     assert runs["q4"][3] == "raw"
     raw_losses, q4_losses = runs["raw"][0], runs["q4"][0]
     assert raw_losses[0] == q4_losses[0]  # the first step reads no moments

@@ -27,6 +27,11 @@ class Codec(abc.ABC):
     #: read and write them in place (no encode/decode pass, no extra copy)
     raw_layout: ClassVar[bool] = False
 
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> Codec:
+        """Rebuild from the parameters of a stored spec; codecs whose format changed override it."""
+        return cls(**params)
+
     @property
     def bits(self) -> float | None:
         """Stored bits per element, scales included; None when it depends on dtype or data."""

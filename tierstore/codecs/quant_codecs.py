@@ -1,7 +1,12 @@
 """The lossy ``q8``/``q4``/``q3``/``q2`` codecs: one class per bit width over ``quant``'s math.
 
-Default blocks: 128 for q8 and q4 (the 4-bit optimizer paper's block for ``m``), 64 for q3 and q2,
-where fewer levels make a tight per-block range matter more than the 0.5 bit/element of scales.
+Default blocks (the row length of the block view that chunks too narrow for their own rows and
+columns use): 128 for q8 and q4 (the 4-bit optimizer paper's block), 64 for q3 and q2, where
+fewer levels make a tight range matter more than the 0.5 bit/element of scales.
+
+The spec names the scale layout, ``"scales": "rank1"``. tierstore 0.1.0 wrote q-codec chunks
+with per-block scales and no such key; those bytes mean something else, so a spec without the
+key is refused with an error that says so, instead of being decoded into wrong values.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 #: level when its per-step change is smaller than half a quantization step (signal swamping).
 #: Decoding is identical; only ``encode`` differs.
 ROUNDINGS = ("nearest", "stochastic")
+#: the scale layouts this version reads and writes (see ``quant``)
+SCALE_LAYOUTS = ("rank1",)
 
 
 class QuantCodec(Codec):
-    """Blockwise quantization with a signed (companded) or unsigned (log2) map; see ``quant``."""
+    """Rank-1-scaled quantization with a signed (companded) or unsigned (log2) map; see ``quant``."""
 
     lossless = False
     #: code width in bits
@@ -32,21 +39,36 @@ class QuantCodec(Codec):
     #: elements per scale when ``block`` is not given
     default_block: ClassVar[int]
 
-    def __init__(self, signed: bool = True, block: int | None = None, rounding: str = "nearest"):
+    def __init__(self, signed: bool = True, block: int | None = None, rounding: str = "nearest",
+                 scales: str = "rank1"):
         block = self.default_block if block is None else block
         quant.check_params(self.code_bits, block, signed)
         if rounding not in ROUNDINGS:
             raise CodecError(f"quantization rounding must be one of {ROUNDINGS}, got {rounding!r}")
-        self.signed, self.block, self.rounding = signed, block, rounding
+        if scales not in SCALE_LAYOUTS:
+            raise CodecError(f"quantization scales must be one of {SCALE_LAYOUTS}, got {scales!r}")
+        self.signed, self.block, self.rounding, self.scales = signed, block, rounding, scales
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> QuantCodec:
+        """Rebuild from a stored spec, refusing tierstore 0.1.0's per-block layout (no ``scales``)."""
+        if "scales" not in params:
+            raise CodecError(
+                f"codec {cls.name!r} spec {params} has no 'scales': its chunks were written by "
+                "tierstore 0.1.0 with per-block scales, which this version cannot read; export "
+                "them with tierstore 0.1.0 or re-create the store"
+            )
+        return cls(**params)
 
     @property
     def bits(self) -> float:
-        """Code bits plus the 32-bit per-block scale spread over the block."""
+        """Code bits plus 32 bits of scales per ``block`` elements (long chunks, block view)."""
         return self.code_bits + 32 / self.block
 
     def params(self) -> dict[str, Any]:
-        """``signed``, ``block`` and ``rounding``."""
-        return {"signed": self.signed, "block": self.block, "rounding": self.rounding}
+        """``signed``, ``block``, ``rounding`` and ``scales``."""
+        return {"signed": self.signed, "block": self.block, "rounding": self.rounding,
+                "scales": self.scales}
 
     def check_dtype(self, dtype: torch.dtype) -> None:
         """Only float32, bfloat16 and float16 are quantized."""
@@ -70,12 +92,8 @@ class QuantCodec(Codec):
     def decode(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A float32 tensor of ``shape`` from the stored bytes."""
         self.check_dtype(dtype)
-        n = 1
-        for s in shape:
-            n *= s
         payload = quant.bytes_tensor(data)
-        return quant.dequantize(payload, n, self.code_bits, self.block, self.signed,
-                                self.name).view(shape)
+        return quant.dequantize(payload, shape, self.code_bits, self.block, self.signed, self.name)
 
     def zarr_codecs(self, dtype: torch.dtype) -> list[dict[str, Any]]:
         """The registered zarr codec ``tierstore.<name>``; the zarr array's dtype is float32."""
@@ -83,10 +101,7 @@ class QuantCodec(Codec):
 
     def encoded_nbytes(self, shape: tuple[int, ...]) -> int:
         """Stored bytes of a chunk of ``shape`` (scales included)."""
-        n = 1
-        for s in shape:
-            n *= s
-        return quant.encoded_nbytes(n, self.code_bits, self.block)
+        return quant.encoded_nbytes(shape, self.code_bits, self.block, self.signed)
 
 
 @register

@@ -29,18 +29,28 @@ def names() -> list[str]:
     return sorted(_CODECS)
 
 
-def get(name: str, **params: Any) -> Codec:
-    """A codec instance by registry name and parameters."""
+def _lookup(name: str) -> type[Codec]:
+    """The codec class registered as ``name``; CodecError naming the registered ones."""
     try:
-        cls = _CODECS[name]
+        return _CODECS[name]
     except (KeyError, TypeError):
         raise CodecError(f"unknown codec {name!r}; registered: {', '.join(names())}") from None
+
+
+def _build(name: str, make: Any) -> Codec:
+    """Call ``make()``, turning a constructor's TypeError into CodecError."""
     try:
-        return cls(**params)
+        return make()
     except CodecError:
         raise
     except TypeError as e:
         raise CodecError(f"bad parameters for codec {name!r}: {e}") from None
+
+
+def get(name: str, **params: Any) -> Codec:
+    """A codec instance by registry name and parameters."""
+    cls = _lookup(name)
+    return _build(name, lambda: cls(**params))
 
 
 def from_spec(spec: dict[str, Any]) -> Codec:
@@ -48,7 +58,8 @@ def from_spec(spec: dict[str, Any]) -> Codec:
     if not isinstance(spec, dict) or "name" not in spec:
         raise CodecError(f"a codec spec is a dict with a 'name', got {spec!r}")
     params = {k: v for k, v in spec.items() if k != "name"}
-    return get(spec["name"], **params)
+    cls = _lookup(spec["name"])
+    return _build(spec["name"], lambda: cls.from_params(params))
 
 
 def resolve(codec: str | dict[str, Any] | Codec | None) -> Codec:

@@ -2,10 +2,10 @@
 
 Importing ``tierstore`` registers them with ``zarr.registry.register_codec``, so
 ``zarr.open_array`` on an array whose ``zarr.json`` lists e.g.
-``{"name": "tierstore.q4", "configuration": {"signed": true, "block": 128}}`` decodes the
-chunks with the same math as ``tierstore.codecs.get("q4")``. The array's ``data_type`` must be
-``float32`` (the quantized codecs' ``decoded_dtype``); a float16/float64 array gets the values
-cast. These are array->bytes codecs (they replace ``bytes``); the store appends ``crc32c``.
+``{"name": "tierstore.q4", "configuration": {"signed": true, "block": 128, "scales": "rank1"}}``
+decodes the chunks with the same math as ``tierstore.codecs.get("q4")``. The array's
+``data_type`` must be ``float32`` (the quantized codecs' ``decoded_dtype``); a float16/float64
+array gets the values cast. These are array->bytes codecs (they replace ``bytes``); the store appends ``crc32c``.
 """
 
 from __future__ import annotations
@@ -27,14 +27,6 @@ if TYPE_CHECKING:
     from zarr.core.array_spec import ArraySpec
 
 
-def _count(shape: tuple[int, ...]) -> int:
-    """Elements in a chunk of ``shape``."""
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 @dataclass(frozen=True)
 class ZarrQuantCodec(ArrayBytesCodec):
     """Base of the zarr adapters; subclasses name the tierstore codec class they wrap."""
@@ -43,6 +35,7 @@ class ZarrQuantCodec(ArrayBytesCodec):
     signed: bool = True
     block: int = 0  # 0 stands for the wrapped codec's default
     rounding: str = "nearest"  # how this codec encodes, when zarr writes; decoding ignores it
+    scales: str = "rank1"
     tier_codec: Any = None
 
     #: the wrapped tierstore codec class (set by subclasses)
@@ -52,17 +45,20 @@ class ZarrQuantCodec(ArrayBytesCodec):
         block = self.block or self.codec_cls.default_block
         object.__setattr__(self, "block", block)
         object.__setattr__(self, "tier_codec", self.codec_cls(signed=self.signed, block=block,
-                                                              rounding=self.rounding))
+                                                              rounding=self.rounding,
+                                                              scales=self.scales))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ZarrQuantCodec:
         """Build from the ``zarr.json`` entry ``{"name": ..., "configuration": {...}}``."""
         config = dict(data.get("configuration") or {})
-        unknown = set(config) - {"signed", "block", "rounding"}
+        unknown = set(config) - {"signed", "block", "rounding", "scales"}
         if unknown:
             raise CodecError(f"{data.get('name')}: unknown configuration keys {sorted(unknown)}")
+        # refuses tierstore 0.1.0's per-block chunks (no "scales") rather than misreading them
+        cls.codec_cls.from_params(config)
         return cls(signed=config.get("signed", True), block=config.get("block", 0),
-                   rounding=config.get("rounding", "nearest"))
+                   rounding=config.get("rounding", "nearest"), scales=config["scales"])
 
     def to_dict(self) -> dict[str, Any]:
         """The ``zarr.json`` entry, as ``QuantCodec.zarr_codecs`` writes it."""
@@ -70,10 +66,10 @@ class ZarrQuantCodec(ArrayBytesCodec):
 
     async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
         payload = quant.bytes_tensor(memoryview(np.ascontiguousarray(chunk_bytes.as_numpy_array())))
-        values = quant.dequantize(payload, _count(chunk_spec.shape), self.tier_codec.code_bits,
+        values = quant.dequantize(payload, tuple(chunk_spec.shape), self.tier_codec.code_bits,
                                   self.block, self.signed, self.tier_codec.name)
         native = chunk_spec.dtype.to_native_dtype()
-        arr = values.numpy().reshape(chunk_spec.shape).astype(native, copy=False)
+        arr = values.numpy().astype(native, copy=False)
         return chunk_spec.prototype.nd_buffer.from_numpy_array(arr)
 
     async def _encode_single(self, chunk_array: NDBuffer, chunk_spec: ArraySpec) -> Buffer | None:
