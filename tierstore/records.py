@@ -86,7 +86,8 @@ class GenRecord:
             if len(rec.chunks) != g.n_chunks or any(n < 0 or not 0 <= c < 2**32 for n, c in rec.chunks):
                 raise ValueError(f"{len(rec.chunks)} chunk entries for a grid of {g.n_chunks}")
             return rec
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, StoreError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError,
+                StoreError) as e:
             raise CorruptData(f"malformed generation record in the catalog: {e}") from None
 
     @staticmethod
@@ -141,5 +142,6 @@ class Commit:
                 raise ValueError("generation ids start at 1")
             return cls(int(d["version"]), None if step is None else int(step), float(d["time"]),
                        str(d["message"]), gens)
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, StoreError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError,
+                StoreError) as e:
             raise CorruptData(f"malformed commit record in the catalog: {e}") from None

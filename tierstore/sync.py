@@ -14,8 +14,9 @@ import torch
 
 from tierstore.codecs import Codec
 from tierstore.errors import StoreClosed, StoreError
+from tierstore.reads import Index
 from tierstore.records import Commit, TensorInfo
-from tierstore.store import AsyncStore, Index
+from tierstore.store import AsyncStore
 
 T = TypeVar("T")
 

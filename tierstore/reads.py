@@ -1,0 +1,316 @@
+"""The read path of ``AsyncStore``: get, dim-0 slices and gathers, chunk loads, prefetch.
+
+A mixin so that ``store.py`` keeps the lifecycle, the write path and commits; it uses the
+store's tiers, counters and helpers, declared below, and holds no state of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+import torch
+
+from tierstore.chunks import decode_into, pieces_by_chunk
+from tierstore.errors import BudgetError, InvalidIndex, StoreError
+from tierstore.prefetch import AccessPredictor
+from tierstore.records import GenRecord
+from tierstore.stats import Counters, Tracer
+from tierstore.tiers.device import DeviceWindow
+from tierstore.tiers.disk import DiskTier
+from tierstore.tiers.host import HostTier
+
+T = TypeVar("T")
+
+Index = slice | int | torch.Tensor | Sequence[int] | None
+
+
+class ReadPath:
+    """Reads of ``AsyncStore``: from RAM, disk or the device window, with prefetching."""
+
+    # the store's state this mixin uses (set by AsyncStore.__init__ / open)
+    stats_counters: Counters
+    tracer: Tracer
+    _disk: DiskTier
+    _host: HostTier
+    _window: DeviceWindow
+    _predictor: AccessPredictor
+    _cpu: ThreadPoolExecutor
+    _head: dict[str, GenRecord]
+    _reads: dict[tuple[int, int], asyncio.Task[torch.Tensor]]
+    _device_loads: dict[int, asyncio.Task[None]]
+    _read_sem: asyncio.Semaphore | None
+
+    if TYPE_CHECKING:  # helpers AsyncStore defines
+        def _record(self, key: str) -> GenRecord: ...
+        def _check_open(self) -> None: ...
+        def _spawn(self, coro: Any) -> asyncio.Task[Any]: ...
+        async def _run_io(self, fn: Callable[..., T], *args: Any) -> T: ...
+        async def _run_cpu(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T: ...
+
+    async def get(self, key: str, device: str | torch.device | None = None, index: Index = None) -> torch.Tensor:
+        """The newest value of ``key``: on the host, or in the device window with ``device=``."""
+        rec = self._record(key)
+        self.stats_counters.gets += 1
+        target = self._target_device(device)
+        upcoming = self._predictor.record(key)
+        if upcoming:
+            self._prefetch_keys(upcoming, "device" if target is not None else "host")
+        t0 = time.perf_counter()
+        if target is None:
+            out = await self._read(rec, index)
+        elif index is None:
+            out = await self._load_to_device(rec, wait=True)
+        else:
+            part = await self._read(rec, index)
+            out = await self._admit(None, part, wait=True)
+        self.tracer.span("get", "store", t0, time.perf_counter(), key=key)
+        return out
+
+    def _target_device(self, device: str | torch.device | None) -> torch.device | None:
+        if device is None:
+            return None
+        dev = torch.device(device)
+        win = self._window.device
+        if dev.type == "cpu" and win.type != "cpu":
+            return None  # a host read
+        if dev.type != win.type or (dev.index is not None and win.index is not None and dev.index != win.index):
+            raise StoreError(f"device {dev} is not this store's device window ({win}); "
+                             "open the store with device=...")
+        return dev
+
+    async def _load_to_device(self, rec: GenRecord, wait: bool) -> torch.Tensor:
+        gen = rec.generation
+        hit = self._window.lookup(gen)
+        if hit is not None:
+            self.stats_counters.hits_device += 1
+            return hit
+        pending = self._device_loads.get(gen)
+        if pending is not None:
+            t0 = time.perf_counter()
+            await asyncio.shield(pending)
+            self.stats_counters.stall_s += time.perf_counter() - t0
+            hit = self._window.lookup(gen)
+            if hit is not None:
+                self.stats_counters.hits_device += 1
+                return hit
+        host = await self._read(rec, None)
+        return await self._admit(gen, host, wait)
+
+    async def _admit(self, gen: int | None, host: torch.Tensor, wait: bool) -> torch.Tensor:
+        nbytes = host.numel() * host.element_size()
+        while not self._window.make_room(nbytes):
+            if not wait or not self._device_loads:
+                raise BudgetError(
+                    f"device window full: {self._window.live_bytes} of {self._window.budget} B are "
+                    f"held by tensors still referenced; {nbytes} B more do not fit. Drop "
+                    "references to window tensors you no longer need.")
+            await asyncio.sleep(0.001)  # a prefetch in flight may be waiting on the same room
+        out = self._window.admit(gen, host, owned=True)
+        self.stats_counters.bytes_h2d += nbytes
+        return out
+
+    async def _read(self, rec: GenRecord, index: Index) -> torch.Tensor:
+        """Read a whole tensor, a dim-0 slice or a dim-0 gather into a new host tensor."""
+        shape = rec.shape
+        if index is None:
+            out = torch.empty(shape, dtype=rec.decoded_dtype)
+            await self._fill(rec, [(0, out.numel(), 0)], out.reshape(-1))
+            return out
+        if not shape:
+            raise InvalidIndex(f"{rec.key!r} is 0-d: it has no dim 0 to index")
+        rows = shape[0]
+        row_numel = 1
+        for s in shape[1:]:
+            row_numel *= s
+        if isinstance(index, slice):
+            start, stop, step = index.indices(rows)
+            if step != 1:
+                raise InvalidIndex(f"slices of {rec.key!r} need step 1, got {index.step}")
+            stop = max(start, stop)
+            out = torch.empty((stop - start, *shape[1:]), dtype=rec.decoded_dtype)
+            await self._fill(rec, [(start * row_numel, stop * row_numel, 0)], out.reshape(-1))
+            return out
+        idx = self._row_index(rec, index, rows)
+        scalar = isinstance(index, int) or (isinstance(index, torch.Tensor) and index.dim() == 0)
+        uniq, inverse = torch.unique(idx, return_inverse=True)
+        tmp = torch.empty((len(uniq), *shape[1:]), dtype=rec.decoded_dtype)
+        ranges = [(r * row_numel, (r + 1) * row_numel, j * row_numel) for j, r in enumerate(uniq.tolist())]
+        await self._fill(rec, ranges, tmp.reshape(-1))
+        out = tmp if len(uniq) == len(idx) and torch.equal(uniq, idx) else tmp[inverse]
+        return out[0] if scalar else out
+
+    @staticmethod
+    def _row_index(rec: GenRecord, index: Any, rows: int) -> torch.Tensor:
+        if isinstance(index, bool):
+            raise InvalidIndex(f"a bool is not a row index of {rec.key!r}")
+        try:
+            idx = torch.as_tensor(index)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise InvalidIndex(f"index of {rec.key!r} must be a slice, an int or int rows: {e}") from None
+        if idx.dtype in (torch.bool,) or idx.dtype.is_floating_point or idx.dtype.is_complex:
+            raise InvalidIndex(f"row indices of {rec.key!r} must be integers, got {idx.dtype}")
+        idx = idx.reshape(-1).to(torch.int64)
+        if idx.numel() and (int(idx.min()) < -rows or int(idx.max()) >= rows):
+            raise InvalidIndex(f"row index out of range for {rec.key!r} with {rows} rows")
+        return torch.where(idx < 0, idx + rows, idx)
+
+    async def _fill(self, rec: GenRecord, ranges: list[tuple[int, int, int]], dest: torch.Tensor) -> None:
+        """Copy flat source ranges of ``rec`` into ``dest``, chunk by chunk, in parallel.
+
+        A raw chunk that is not in RAM and feeds one run of ``dest`` is read straight into it:
+        caching it as well would cost a second copy on the read path (measured: 20-30% of a
+        cold read here). The RAM tier is filled by puts and prefetches (hinted or predicted),
+        and by chunks that must be decoded or gathered from, unless the tensor is larger than
+        half the budget (scan resistance).
+        """
+        by_chunk = pieces_by_chunk(rec.grid, ranges)
+        if not by_chunk:
+            return
+        codec = rec.codec_obj
+        budget = self._host.budget
+        cache = "no" if budget is not None and rec.stored_nbytes > budget // 2 else "yes"
+        t0 = time.perf_counter()
+        missed = [False]
+
+        async def one(i: int, pieces: list[tuple[int, int, int]]) -> None:
+            cid = (rec.generation, i)
+            payload = self._host.lookup(cid)
+            if payload is not None:
+                self.stats_counters.hits_host += 1
+            else:
+                missed[0] = True
+                if codec.raw_layout and len(pieces) == 1 and self._reads.get(cid) is None:
+                    await self._read_direct(rec, i, pieces[0], dest)
+                    return
+                payload = await self._load_chunk(rec, i, cache=cache)
+            await self._run_cpu(payload.numel(), decode_into, codec, rec.grid, rec.torch_dtype,
+                                payload, pieces, dest)
+
+        await asyncio.gather(*(one(i, p) for i, p in by_chunk.items()))
+        if missed[0]:
+            self.stats_counters.stall_s += time.perf_counter() - t0
+
+    async def _read_direct(self, rec: GenRecord, i: int, piece: tuple[int, int, int],
+                           dest: torch.Tensor) -> None:
+        """Read a raw chunk straight into the destination (no RAM-tier copy)."""
+        lo, hi, off = piece
+        n, crc = rec.chunks[i]
+        item = dest.element_size()
+        dest_bytes = dest.view(torch.uint8) if dest.dtype != torch.uint8 else dest
+        head = np.empty(lo * item, np.uint8)
+        body = dest_bytes[off * item : (off + hi - lo) * item].numpy()
+        tail = np.empty(n - hi * item, np.uint8)
+        path = self._disk.chunk_path(rec.key, rec.generation, rec.grid, i)
+        assert self._read_sem is not None
+        async with self._read_sem:
+            t0 = time.perf_counter()
+            await self._run_io(self._disk.read_chunk, path, rec.key, i, n, crc, [head, body, tail])
+        self.stats_counters.reads_disk += 1
+        self.stats_counters.bytes_read_disk += n + 4
+        self.tracer.span("read", "disk", t0, time.perf_counter(), bytes=n)
+
+    async def _load_chunk(self, rec: GenRecord, i: int, cache: str) -> torch.Tensor:
+        """A chunk's payload from RAM or disk; ``cache`` is "yes", "try" (no waiting) or "no"."""
+        cid = (rec.generation, i)
+        payload = self._host.lookup(cid)
+        if payload is not None:
+            return payload
+        task = self._reads.get(cid)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._disk_read(rec, i, cache))
+            self._reads[cid] = task
+            task.add_done_callback(lambda _t: self._reads.pop(cid, None))
+        return await asyncio.shield(task)
+
+    async def _disk_read(self, rec: GenRecord, i: int, cache: str) -> torch.Tensor:
+        cid = (rec.generation, i)
+        n, crc = rec.chunks[i]
+        buf: torch.Tensor | None = None
+        if cache == "yes":
+            buf = await self._host.alloc(n)
+        elif cache == "try":
+            buf = self._host.try_alloc(n)
+        reserved = buf is not None
+        if buf is None:
+            buf = torch.empty(n, dtype=torch.uint8)
+        try:
+            path = self._disk.chunk_path(rec.key, rec.generation, rec.grid, i)
+            assert self._read_sem is not None
+            async with self._read_sem:
+                t0 = time.perf_counter()
+                await self._run_io(self._disk.read_chunk, path, rec.key, i, n, crc, [buf.numpy()])
+        except BaseException:
+            if reserved:
+                self._host.release(buf)
+            raise
+        self.stats_counters.reads_disk += 1
+        self.stats_counters.bytes_read_disk += n + 4
+        self.tracer.span("read", "disk", t0, time.perf_counter(), bytes=n)
+        if reserved:
+            self._host.insert(cid, buf, dirty=False)
+        return buf
+
+    # ---------------------------------------------------------------- prefetch
+
+    async def prefetch(self, keys: Sequence[str], to: str = "host", wait: bool = False) -> None:
+        """Start loading ``keys`` into the RAM tier (``to="host"``) or the device window.
+
+        With ``wait=True`` return once the loads are done (warming a cache on purpose).
+        """
+        self._check_open()
+        if to not in ("host", "device"):
+            raise StoreError(f"prefetch to= must be 'host' or 'device', got {to!r}")
+        if isinstance(keys, str):
+            keys = [keys]
+        for k in keys:
+            self._record(k)
+        tasks = self._prefetch_keys(list(keys), to)
+        if wait:
+            await asyncio.gather(*tasks)
+
+    def _prefetch_keys(self, keys: list[str], to: str) -> list[asyncio.Task[Any]]:
+        tasks: list[asyncio.Task[Any]] = []
+        for k in keys:
+            rec = self._head.get(k)
+            if rec is None:
+                continue
+            if to == "device":
+                gen = rec.generation
+                if gen in self._device_loads:
+                    tasks.append(self._device_loads[gen])
+                    continue
+                if self._window.lookup(gen) is not None:
+                    continue
+                task = self._spawn(self._prefetch_device(rec))
+                self._device_loads[gen] = task
+                task.add_done_callback(lambda _t, g=gen: self._device_loads.pop(g, None))
+            else:
+                task = self._spawn(self._prefetch_host(rec))
+            tasks.append(task)
+        return tasks
+
+    async def _prefetch_host(self, rec: GenRecord) -> None:
+        try:
+            for i in range(rec.grid.n_chunks):
+                if not self._host.holds((rec.generation, i)):
+                    await self._load_chunk(rec, i, cache="try")
+                    self.stats_counters.prefetched_chunks += 1
+        except StoreError:
+            self.stats_counters.prefetch_errors += 1  # a hint failed; the real read reports it
+
+    async def _prefetch_device(self, rec: GenRecord) -> None:
+        try:
+            if self._window.budget is not None and rec.nbytes > self._window.budget:
+                return
+            if not self._window.make_room(rec.nbytes):
+                await self._prefetch_host(rec)  # no room on the device yet: stage in RAM
+                return
+            if self._window.lookup(rec.generation) is None:
+                await self._admit(rec.generation, await self._read(rec, None), wait=False)
+        except StoreError:
+            self.stats_counters.prefetch_errors += 1
