@@ -197,6 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows.append(measure(f"{name} (m signed, v unsigned)",
                             codec_round_trip(codecs.get(name, signed=True)),
                             codec_round_trip(codecs.get(name, signed=False)), *data))
+    for name in ("q4", "q2"):  # as the trainer stores moments (codecs.policy)
+        rows.append(measure(f"{name} stochastic rounding",
+                            codec_round_trip(codecs.get(name, signed=True, rounding="stochastic")),
+                            codec_round_trip(codecs.get(name, signed=False, rounding="stochastic")),
+                            *data))
     q4s = codec_round_trip(codecs.get("q4", signed=True))
     rows.append(measure("q4 signed v (ablation)", q4s, q4s, *data))
     for bits, compiled in ((8, False), (4, False), (4, True)):
