@@ -95,7 +95,10 @@ class Store:
         self._loop.run(self._a.put(key, tensor, codec))
 
     def get(self, key: str, device: str | torch.device | None = None, index: Index = None) -> torch.Tensor:
-        """The newest value of ``key`` on the host, or in the device window with ``device=``."""
+        """The newest value of ``key`` on the host, or in the device window with ``device=``.
+
+        A host tensor is the caller's own copy; a window tensor is shared: treat it as read-only.
+        """
         t = self._loop.run(self._a.get(key, device=device, index=index))
         self._a._window.wait_ready(t)
         return t

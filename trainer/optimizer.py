@@ -108,14 +108,16 @@ class StoreAdamW:
         start = time.perf_counter()
         for name in self.groups[g]:
             with self.lock:
-                param = self.store.get(name).clone()
+                # host gets are private copies (test_host_gets_are_private_copies), so the
+                # update runs in place on them
+                param = self.store.get(name)
                 grad = grads[name] if grads is not None else self.store.get(GRAD + name)
                 if step == 1:  # a fresh run: moments start at zero whatever an old store holds
                     m = torch.zeros_like(param)
                     v = torch.zeros_like(param)
                 else:
-                    m = self.store.get(EXP_AVG + name).to(torch.float32).clone()
-                    v = self.store.get(EXP_AVG_SQ + name).to(torch.float32).clone()
+                    m = self.store.get(EXP_AVG + name).to(torch.float32)
+                    v = self.store.get(EXP_AVG_SQ + name).to(torch.float32)
             t0 = time.perf_counter()
             if clip_coef is not None:
                 grad = grad * clip_coef  # torch multiplies by the clamped coefficient, 1.0 included

@@ -114,6 +114,23 @@ def test_read_your_writes_in_every_tier(tmp_path) -> None:
         assert r.keys(prefix="filler") == [f"filler{i}" for i in range(8)]
 
 
+@pytest.mark.parametrize("codec", ["raw", "zstd", "q8"])
+def test_host_gets_are_private_copies(tmp_path, codec: str) -> None:
+    """A host get hands the caller its own tensor (the trainer updates them in place): writing
+    to it changes nothing stored, whether the chunks came from RAM or from disk."""
+    with tierstore.open(tmp_path, ram_budget="64KiB", chunk_bytes="16KiB") as s:
+        a = torch.randn(64, 64)
+        s.put("a", a, codec=codec)
+        want = s.get("a")
+        for _ in range(2):                      # the first read may come from RAM, then disk
+            got = s.get("a")
+            got.add_(1.0)
+            got[3:5] = 0.0
+            assert torch.equal(s.get("a"), want)
+            s.commit()
+            s.put("filler", torch.randn(128, 128))  # push "a" out of the RAM tier
+
+
 def test_slices_and_gathers_match_torch(tmp_path) -> None:
     t = torch.randn(1000, 7, 3)
     with tierstore.open(tmp_path, chunk_bytes="1KiB", ram_budget="32KiB") as s:
