@@ -423,6 +423,21 @@ def test_stochastic_rounding_is_unbiased(name: str) -> None:
     assert torch.allclose(logs, v[v > 0].log2(), atol=max(0.1, 4 * step / 2 / 3000**0.5)), logs
 
 
+def test_random_stream_untouched_by_nearest_and_repeatable_with_stochastic() -> None:
+    x = torch.randn(64, 64)
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    codecs.get("q4").encode(x)  # nearest rounding draws no random numbers
+    assert torch.equal(torch.rand(4), expected)
+    sr = codecs.get("q2", rounding="stochastic")
+    torch.manual_seed(5)
+    a = sr.encode(x)
+    b = sr.encode(x)
+    torch.manual_seed(5)
+    assert torch.equal(sr.encode(x), a) and not torch.equal(a, b)
+
+
 def test_stochastic_rounding_spec_and_levels() -> None:
     sr = codecs.get("q4", signed=False, rounding="stochastic")
     assert codecs.from_spec(sr.spec()) == sr != codecs.get("q4", signed=False)

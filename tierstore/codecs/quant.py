@@ -355,8 +355,10 @@ def quantize(x: torch.Tensor, bits: int, block: int, signed: bool, name: str = "
         return torch.empty(0, dtype=torch.uint8, device=x.device)
     if nr * nc > n:  # the block view's last row; zeros move no maximum of either mode
         flat = torch.nn.functional.pad(flat, (0, nr * nc - n))
-    # drawn from torch's generator, so torch.manual_seed makes stochastic encodes repeatable
-    seed = torch.randint(0, 1 << 31, (), dtype=torch.int64).to(x.device)
+    # drawn from torch's generator, so torch.manual_seed makes stochastic encodes repeatable;
+    # nearest rounding draws nothing (a put must not move the caller's random stream)
+    seed = (torch.randint(0, 1 << 31, (), dtype=torch.int64) if stochastic
+            else torch.zeros((), dtype=torch.int64)).to(x.device)
     rows, cols, codes, check_max, check_min = _run("encode", n, bits, signed, stochastic,
                                                    flat.view(nr, nc), seed)
     # NaN and inf reach every row reduction, so validating the small per-row results is enough,

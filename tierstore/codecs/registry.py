@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tierstore.codecs.base import Codec
@@ -37,7 +38,7 @@ def _lookup(name: str) -> type[Codec]:
         raise CodecError(f"unknown codec {name!r}; registered: {', '.join(names())}") from None
 
 
-def _build(name: str, make: Any) -> Codec:
+def _build(name: str, make: Callable[[], Codec]) -> Codec:
     """Call ``make()``, turning a constructor's TypeError into CodecError."""
     try:
         return make()
