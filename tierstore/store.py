@@ -408,6 +408,7 @@ class AsyncStore(ReadPath):
             "prediction_accuracy": self._predictor.accuracy, "puts": c.puts, "gets": c.gets,
             "commits": c.commits, "prefetched_chunks": c.prefetched_chunks,
             "prefetch_errors": c.prefetch_errors, "dirty_chunks": self._host.dirty_count(),
+            "host_fresh_buffers": self._host.fresh_buffers,
         }
 
     async def verify(self, keys: Sequence[str] | None = None) -> list[CorruptData]:

@@ -92,3 +92,44 @@ def test_prefetch_wait_fills_the_ram_tier(tmp_path) -> None:
         reads = r.stats()["reads_disk"]
         r.get("a")
         assert r.stats()["reads_disk"] == reads and r.stats()["hits_host"] > 0
+
+
+def test_host_tier_reuses_the_buffers_of_dropped_chunks() -> None:
+    """Replacing a tensor recycles its old chunks' buffers (no fresh pages), counted in the
+    budget all along; a buffer someone still holds is never handed out again."""
+    from tierstore.tiers.host import HostTier
+
+    tier = HostTier(budget=4096)
+    a = tier.try_alloc(1024)
+    b = tier.try_alloc(1024)
+    assert a is not None and b is not None and tier.fresh_buffers == 2
+    tier.insert((1, 0), a, dirty=False)
+    tier.insert((1, 1), b, dirty=False)
+    a_ptr = a.data_ptr()
+    del a, b
+    tier.drop_generation(1, 2)
+    assert tier.used == 2048  # spares stay counted: the budget bounds memory really held
+    c = tier.try_alloc(1024)
+    assert c is not None and tier.fresh_buffers == 2  # recycled, not allocated
+    held = tier.try_alloc(1024)
+    assert held is not None and tier.fresh_buffers == 2
+    assert a_ptr in (c.data_ptr(), held.data_ptr())
+    # a dropped chunk that a reader still references is not recycled
+    tier.insert((2, 0), held, dirty=False)
+    tier.drop((2, 0))
+    d = tier.try_alloc(1024)
+    assert d is not None and d.data_ptr() != held.data_ptr() and tier.fresh_buffers == 3
+    # under budget pressure spares go before cached chunks
+    tier.insert((3, 0), c, dirty=False)
+    tier.insert((3, 1), d, dirty=False)
+    tier.drop((3, 1))
+    del d
+    big = tier.try_alloc(2048)  # 1024 (chunk) + 1024 (spare) + 2048 > 4096: the spare goes
+    assert big is not None and tier.holds((3, 0)) and tier.used <= 4096
+    # without a budget nothing bounds spares, so none are kept
+    free = HostTier(budget=None)
+    e = free.try_alloc(64)
+    free.insert((1, 0), e, dirty=False)
+    del e
+    free.drop((1, 0))
+    assert free.used == 0

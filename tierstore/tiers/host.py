@@ -37,11 +37,18 @@ class HostTier:
         self.used = 0
         self.peak = 0
         self._entries: OrderedDict[ChunkId, HostEntry] = OrderedDict()
+        #: buffers of dropped chunks by size, kept (and counted in ``used``) for reuse: a put
+        #: that replaces a tensor then fills the old buffers instead of faulting in new pages
+        #: (0.25-0.5 GiB/s on the dev VM, against 13 GiB/s for a copy into reused memory)
+        self._spare: dict[int, list[torch.Tensor]] = {}
+        #: buffers allocated fresh from the OS since open (the rest were recycled)
+        self.fresh_buffers = 0
         self._freed = asyncio.Event()
         #: called when a reservation cannot wait any longer; returns a reason or None to wait
         self.explain_stuck: Callable[[], str | None] = lambda: None
 
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
+        self.fresh_buffers += 1
         if self.pin:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -56,8 +63,13 @@ class HostTier:
         An evicted buffer of the same size is handed over as it is: in steady state the tier
         recycles its buffers instead of faulting in fresh pages for every chunk.
         """
+        spare = self._take_spare(nbytes)
+        if spare is not None:
+            return spare  # its bytes stay counted: they move to the new owner
         if self.budget is not None:
             while self.used + nbytes > self.budget:
+                if self._free_one_spare():
+                    continue
                 victim = self._evict_one()
                 if victim is None:
                     return None
@@ -122,11 +134,35 @@ class HostTier:
             self._freed.set()
 
     def drop(self, cid: ChunkId) -> None:
-        """Forget a chunk, dirty or not (its generation is gone)."""
+        """Forget a chunk, dirty or not (its generation is gone); keep its buffer for reuse."""
         e = self._entries.pop(cid, None)
         if e is not None:
-            self.used -= e.data.numel()
+            if self.budget is None:  # without a budget nothing would ever bound the spares
+                self.used -= e.data.numel()
+            else:
+                self._spare.setdefault(e.data.numel(), []).append(e.data)
             self._freed.set()
+
+    def _take_spare(self, nbytes: int) -> torch.Tensor | None:
+        """A spare buffer of exactly ``nbytes`` that nobody references any more, or None."""
+        bufs = self._spare.get(nbytes)
+        while bufs:
+            buf = bufs.pop()
+            # a reader may still be copying out of a dropped chunk: reuse only a buffer whose
+            # refs are this local name and getrefcount's argument
+            if sys.getrefcount(buf) <= 2:
+                return buf
+            self.used -= nbytes  # still in use elsewhere: let it go, uncounted
+        return None
+
+    def _free_one_spare(self) -> bool:
+        """Give one spare buffer back (uncount it); False when there is none."""
+        for size, bufs in self._spare.items():
+            if bufs:
+                bufs.pop()
+                self.used -= size
+                return True
+        return False
 
     def drop_generation(self, generation: int, n_chunks: int) -> None:
         """Forget every chunk of a generation."""
