@@ -41,7 +41,10 @@ Two maps, chosen by ``signed``:
 Stochastic rounding (the codecs' ``rounding="stochastic"``, which the trainer uses for moments)
 rounds up or down at random so that the decoded value is unbiased for signed data and its log2
 for unsigned data; its uniform numbers come from a counter hash of the element index plus a seed
-drawn from torch's generator, so ``torch.manual_seed`` repeats an encode exactly.
+taken from the chunk's own row maxima. An encode is thus a function of its input: the same chunk
+encodes to the same bytes on any thread, in any run, and after a resume (training stays
+reproducible bit for bit), and torch's random stream is never touched. An optimizer state
+changes every step, and so does its seed.
 
 Both modes reject NaN and +-inf with CodecError (an optimizer state holding them is already
 broken; storing them silently would hide it). Input is float32, bfloat16 or float16; decode
@@ -176,6 +179,14 @@ def _uniform(like: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
 
 
+def _data_seed(row_max: torch.Tensor) -> torch.Tensor:
+    """A 31-bit seed from the bit patterns of a chunk's float32 row maxima (see the module doc)."""
+    # 31-bit terms: the int64 sum cannot overflow below 2**32 rows; the mantissas' low bits
+    # change with any change of a maximum
+    bits = row_max.contiguous().view(torch.int32).to(torch.int64) & 0x7FFFFFFF
+    return bits.sum() & 0x7FFFFFFF
+
+
 def _round(t: torch.Tensor, seed: torch.Tensor | None) -> torch.Tensor:
     """Nearest, or with a ``seed`` stochastic rounding (up with probability the fraction)."""
     return t.round() if seed is None else (t + _uniform(t, seed)).floor()
@@ -210,7 +221,7 @@ def _log_max(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.where(xmax <= 0, EMPTY, torch.ceil(torch.log2(xmax) * LOG_UNITS).clamp_max(MAX_LOG))
 
 
-def _encode_matrix(xm: torch.Tensor, bits: int, signed: bool, seed: torch.Tensor | None = None
+def _encode_matrix(xm: torch.Tensor, bits: int, signed: bool, stochastic: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row scales, column scales, codes (uint8, unpacked) and per-row (max, min) to validate with.
 
@@ -221,6 +232,7 @@ def _encode_matrix(xm: torch.Tensor, bits: int, signed: bool, seed: torch.Tensor
     if signed:
         mag = xm.abs()
         rows, cols = mag.amax(dim=1), mag.amax(dim=0)
+        seed = _data_seed(rows) if stochastic else None
         s = torch.minimum(rows[:, None], cols[None, :])
         # divide, not multiply by 1/s: a subnormal s has an infinite reciprocal
         y = mag / s.clamp_min(FLOAT32_TINY)
@@ -246,6 +258,7 @@ def _encode_matrix(xm: torch.Tensor, bits: int, signed: bool, seed: torch.Tensor
         check_max, check_min = rows, rows
     else:
         check_max, check_min = xm.amax(dim=1), xm.amin(dim=1)
+        seed = _data_seed(check_max) if stochastic else None
         hr, hc = _log_max(xm, 1), _log_max(xm, 0)
         ls = torch.minimum(hr[:, None], hc[None, :]) * (1.0 / LOG_UNITS)  # log2 s_ij
         pos = xm > 0
@@ -302,8 +315,8 @@ def set_compile(mode: str) -> None:
 def _eager(name: str, bits: int, signed: bool, stochastic: bool = False) -> Callable[..., Any]:
     """Kernel ``name`` with its constants bound as closure cells (dynamo specializes on them)."""
     if name == "encode":
-        def encode(xm: torch.Tensor, seed: torch.Tensor) -> Any:
-            return _encode_matrix(xm, bits, signed, seed if stochastic else None)
+        def encode(xm: torch.Tensor) -> Any:
+            return _encode_matrix(xm, bits, signed, stochastic)
         return encode
 
     def decode(rows: torch.Tensor, cols: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -346,7 +359,8 @@ def quantize(x: torch.Tensor, bits: int, block: int, signed: bool, name: str = "
     """Encode a float tensor into the stored bytes (a uint8 tensor on ``x``'s device).
 
     ``stochastic`` rounds each value up or down at random with the probabilities that make the
-    decoded value unbiased (signed; in log2 for unsigned); decoding is the same either way.
+    decoded value unbiased (signed; in log2 for unsigned), from random numbers that are a
+    function of the chunk (see the module doc); decoding is the same either way.
     """
     nr, nc = matrix_shape(x.shape, block)
     flat = x.reshape(-1).to(torch.float32)
@@ -355,12 +369,8 @@ def quantize(x: torch.Tensor, bits: int, block: int, signed: bool, name: str = "
         return torch.empty(0, dtype=torch.uint8, device=x.device)
     if nr * nc > n:  # the block view's last row; zeros move no maximum of either mode
         flat = torch.nn.functional.pad(flat, (0, nr * nc - n))
-    # drawn from torch's generator, so torch.manual_seed makes stochastic encodes repeatable;
-    # nearest rounding draws nothing (a put must not move the caller's random stream)
-    seed = (torch.randint(0, 1 << 31, (), dtype=torch.int64) if stochastic
-            else torch.zeros((), dtype=torch.int64)).to(x.device)
     rows, cols, codes, check_max, check_min = _run("encode", n, bits, signed, stochastic,
-                                                   flat.view(nr, nc), seed)
+                                                   flat.view(nr, nc))
     # NaN and inf reach every row reduction, so validating the small per-row results is enough,
     # and costs no extra pass over the chunk
     if not bool(torch.isfinite(check_max).all() and torch.isfinite(check_min).all()):
