@@ -283,9 +283,7 @@ class AsyncStore(ReadPath):
         tasks = self._writes.setdefault(gen, [])
         dirs = self._spawn(self._make_dirs(key, gen, grid))
         tasks.append(dirs)
-        meta = zarr_metadata(grid, t.dtype, codec, {"key": key, "generation": gen})
-        meta_path = os.path.join(self._disk.generation_dir(key, gen), "zarr.json")
-        tasks.append(self._spawn(self._write_file(meta_path, [meta], None, after=dirs)))
+        tasks.append(self._spawn(self._write_meta(key, gen, grid, t.dtype, codec, after=dirs)))
         flat = t.reshape(-1)
         chunks: list[tuple[int, int]] = []
         raw_bytes = grid.chunk_numel * t.element_size()
@@ -303,11 +301,22 @@ class AsyncStore(ReadPath):
                 payload.copy_(encoded)  # into a buffer the RAM tier accounts for
             self._host.insert((gen, i), payload, dirty=True)
             chunks.append((payload.numel(), crc))
-            path = self._disk.chunk_path(key, gen, grid, i)
-            tasks.append(self._spawn(
-                self._write_file(path, [payload.numpy(), crc_trailer(crc)], (gen, i), after=dirs)))
+            tasks.append(self._spawn(self._write_chunk(key, gen, grid, i, payload, crc, after=dirs)))
         rec = GenRecord.new(key, gen, t.dtype, codec, grid, chunks)
         return rec
+
+    async def _write_meta(self, key: str, gen: int, grid: ChunkGrid, dtype: torch.dtype,
+                          codec: Codec, after: asyncio.Task[None] | None = None) -> None:
+        """Write the generation's zarr.json."""
+        meta = zarr_metadata(grid, dtype, codec, {"key": key, "generation": gen})
+        path = os.path.join(self._disk.generation_dir(key, gen), "zarr.json")
+        await self._write_file(path, [meta], None, after=after)
+
+    async def _write_chunk(self, key: str, gen: int, grid: ChunkGrid, i: int, payload: torch.Tensor,
+                           crc: int, after: asyncio.Task[None] | None = None) -> None:
+        """Write chunk ``i``'s file (payload + crc32c trailer); the RAM copy turns clean."""
+        path = self._disk.chunk_path(key, gen, grid, i)
+        await self._write_file(path, [payload.numpy(), crc_trailer(crc)], (gen, i), after=after)
 
     async def _make_dirs(self, key: str, gen: int, grid: ChunkGrid) -> None:
         created = await self._run_io(self._disk.make_dirs, key, gen, grid, range(grid.n_chunks))
@@ -452,17 +461,12 @@ class AsyncStore(ReadPath):
 
     async def _rewrite(self, rec: GenRecord) -> list[Any]:
         """Write coroutines for every file of ``rec`` whose data is still dirty in RAM."""
-        meta = zarr_metadata(rec.grid, rec.torch_dtype, rec.codec_obj,
-                             {"key": rec.key, "generation": rec.generation})
-        gdir = self._disk.generation_dir(rec.key, rec.generation)
         await self._make_dirs(rec.key, rec.generation, rec.grid)
-        coros = [self._write_file(os.path.join(gdir, "zarr.json"), [meta], None)]
+        coros = [self._write_meta(rec.key, rec.generation, rec.grid, rec.torch_dtype, rec.codec_obj)]
         for i, (_, crc) in enumerate(rec.chunks):
             payload = self._host.dirty_payload((rec.generation, i))
             if payload is not None:
-                path = self._disk.chunk_path(rec.key, rec.generation, rec.grid, i)
-                coros.append(self._write_file(path, [payload.numpy(), crc_trailer(crc)],
-                                              (rec.generation, i)))
+                coros.append(self._write_chunk(rec.key, rec.generation, rec.grid, i, payload, crc))
         return coros
 
     async def commit(self, step: int | None = None, message: str = "") -> int:
@@ -503,7 +507,7 @@ class AsyncStore(ReadPath):
                  drop_gens: list[int]) -> None:
         assert self._catalog is not None
         try:
-            self._disk._io_site("catalog", self._catalog.path)
+            self._disk.check_faults("catalog", self._catalog.path)
         except OSError as e:
             raise DiskError(f"catalog commit failed: {e}") from e
         self._catalog.publish(commit, new_records, dropped, drop_gens)

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(name, str(e), e.exit_code)
     except tierstore.MalformedFile as e:
         return _fail(name, str(e), EXIT_FAULT)
-    except tierstore.StoreNotFound as e:
+    except (tierstore.StoreNotFound, tierstore.InvalidKey) as e:  # a path or a key that cannot be used
         return _fail(name, str(e), EXIT_USAGE)
     except tierstore.StoreLocked as e:
         return _fail(name, str(e), EXIT_USAGE)

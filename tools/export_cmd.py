@@ -21,12 +21,15 @@ import shutil
 import torch
 
 import tierstore
+from tierstore.export import write_safetensors
 from tools.errors import EXIT_OK, UsageError
+from tools.heap import return_freed_buffers_to_os
 from tools.hf_meta import HF_META, read_meta_file
-from tools.shard_writer import write_safetensors
 from tools.sizes import human_bytes, size_arg
-from tools.tensor_stream import CAST_DTYPES, return_freed_buffers_to_os
 from tools.zarr_writer import write_zarr
+
+#: floating dtypes an export may cast to
+CAST_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 #: key prefixes that are training state, not model weights
 STATE_PREFIXES = ("opt/", "grad/", "trainer/", "meta/")

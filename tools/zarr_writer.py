@@ -15,8 +15,8 @@ import torch
 from tqdm import tqdm
 
 import tierstore
+from tierstore.export import iter_pieces, out_dtype
 from tools.errors import UsageError
-from tools.tensor_stream import iter_pieces, out_dtype
 
 _NUMPY = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
           torch.bfloat16: np.uint16, torch.int64: np.int64, torch.int32: np.int32,

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import tierstore
+from tierstore.export import write_safetensors
 from trainer import model as model_mod
 from trainer.args import TrainingArguments, from_hf_args, learning_rate_at
 from trainer.data import step_batches, steps_per_epoch
@@ -365,31 +366,10 @@ class Trainer:
     # -- export ----------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, max_shard_bytes: int = 1 << 30) -> str:
         """Write config.json + safetensors shards that AutoModelForCausalLM.from_pretrained loads."""
-        from safetensors.torch import save_file
-
         out = output_dir or self.args.output_dir
         os.makedirs(out, exist_ok=True)
         self.model.config.save_pretrained(out)
-        names = self.parts.all_params()
-        shards: list[list[str]] = [[]]
-        size = 0
-        for name in names:
-            nbytes = int(self.store.info(name).nbytes)
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append([])
-                size = 0
-            shards[-1].append(name)
-            size += nbytes
-        weight_map: dict[str, str] = {}
-        for k, shard in enumerate(shards):
-            fname = "model.safetensors" if len(shards) == 1 else f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-            with self._lock:
-                tensors = {n: self.store.get(n).contiguous() for n in shard}
-            save_file(tensors, os.path.join(out, fname), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, fname))
-            del tensors
-        if len(shards) > 1:
-            total = sum(int(self.store.info(n).nbytes) for n in names)
-            with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        with self._lock:  # streamed from the store piece by piece, as ``tierstore export`` does
+            infos = [self.store.info(name) for name in self.parts.all_params()]
+            write_safetensors(self.store, infos, out, max_shard_bytes, quiet=self.args.disable_tqdm)
         return out

@@ -69,7 +69,8 @@ class DiskTier:
         #: fault injection for tests; None in normal use
         self.faults: FaultPlan | None = None
 
-    def _io_site(self, site: str, path: str) -> None:
+    def check_faults(self, site: str, path: str) -> None:
+        """Raise the injected OSError if the fault plan fails this call (tests); else nothing."""
         if self.faults is not None:
             self.faults.check(site, path)
 
@@ -97,7 +98,7 @@ class DiskTier:
                 p = os.path.dirname(p)
             for q in reversed(parts):
                 try:
-                    self._io_site("mkdir", q)
+                    self.check_faults("mkdir", q)
                     os.mkdir(q)
                     created.append(q)
                 except FileExistsError:
@@ -113,7 +114,7 @@ class DiskTier:
         on; small files are synced in one batch by the commit (``sync_paths``).
         """
         try:
-            self._io_site("write", path)
+            self.check_faults("write", path)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
             raise DiskError(f"cannot create {path}: {e.strerror}") from e
@@ -130,7 +131,7 @@ class DiskTier:
                 offset += n
                 views = _consume(views, n)  # a short write resumes inside its buffer
             if sync:
-                self._io_site("fsync", path)
+                self.check_faults("fsync", path)
                 os.fdatasync(fd)
         except OSError as e:
             raise DiskError(f"writing {path} failed: {e.strerror} (errno {e.errno})") from e
@@ -143,7 +144,7 @@ class DiskTier:
         trailer = bytearray(4)
         views = [memoryview(b).cast("B") for b in into] + [memoryview(trailer)]
         try:
-            self._io_site("read", path)
+            self.check_faults("read", path)
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise CorruptData(f"chunk file of {key!r} chunk {chunk} is missing: {path}",
@@ -176,7 +177,7 @@ class DiskTier:
     def sync_paths(self, paths: Sequence[str]) -> None:
         """Make files and folders durable: one ``syncfs`` for many paths, else fsync each."""
         if len(paths) > _SYNCFS_ABOVE and _syncfs is not None:
-            self._io_site("fsync", self.data_dir)
+            self.check_faults("fsync", self.data_dir)
             fd = os.open(self.data_dir, os.O_RDONLY)
             try:
                 if _syncfs(fd) != 0:
@@ -197,7 +198,7 @@ class DiskTier:
             except OSError as e:
                 raise DiskError(f"cannot open {p} to fsync: {e.strerror}") from e
             try:
-                self._io_site("fsync", p)
+                self.check_faults("fsync", p)
                 os.fsync(fd)
             except OSError as e:
                 raise DiskError(f"fsync of {p} failed: {e.strerror} (errno {e.errno})") from e
@@ -208,7 +209,7 @@ class DiskTier:
         """Remove one generation's folder and its now-empty parents."""
         path = self.generation_dir(key, generation)
         try:
-            self._io_site("delete", path)
+            self.check_faults("delete", path)
         except OSError:
             return  # a folder left behind is an orphan: the next writer open deletes it
         shutil.rmtree(path, ignore_errors=True)

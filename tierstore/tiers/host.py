@@ -60,27 +60,18 @@ class HostTier:
     def try_alloc(self, nbytes: int) -> torch.Tensor | None:
         """A buffer of ``nbytes`` counted in the budget, evicting clean chunks; None if full.
 
-        An evicted buffer of the same size is handed over as it is: in steady state the tier
-        recycles its buffers instead of faulting in fresh pages for every chunk.
+        Buffers of dropped and evicted chunks become spares, and a spare of the same size is
+        handed over as it is: in steady state the tier recycles its buffers instead of
+        faulting in fresh pages for every chunk.
         """
-        spare = self._take_spare(nbytes)
-        if spare is not None:
-            return spare  # its bytes stay counted: they move to the new owner
-        if self.budget is not None:
-            while self.used + nbytes > self.budget:
-                if self._free_one_spare():
-                    continue
-                victim = self._evict_one()
-                if victim is None:
-                    return None
-                # recycle only a buffer nobody else references (a reader may still be copying
-                # from it): the local name and getrefcount's argument are the only two refs
-                if victim.numel() == nbytes and sys.getrefcount(victim) <= 2:
-                    return victim  # its bytes stay counted: they move to the new owner
-                self.used -= victim.numel()
-        self.used += nbytes
-        self.peak = max(self.peak, self.used)
-        return self._new_buffer(nbytes)
+        while (spare := self._take_spare(nbytes)) is None:
+            if self.budget is None or self.used + nbytes <= self.budget:
+                self.used += nbytes
+                self.peak = max(self.peak, self.used)
+                return self._new_buffer(nbytes)
+            if not (self._free_one_spare() or self._evict_one()):
+                return None
+        return spare  # its bytes stay counted: they move to the new owner
 
     async def alloc(self, nbytes: int) -> torch.Tensor:
         """A buffer of ``nbytes``, waiting for write-backs to free room (backpressure)."""
@@ -137,11 +128,15 @@ class HostTier:
         """Forget a chunk, dirty or not (its generation is gone); keep its buffer for reuse."""
         e = self._entries.pop(cid, None)
         if e is not None:
-            if self.budget is None:  # without a budget nothing would ever bound the spares
-                self.used -= e.data.numel()
-            else:
-                self._spare.setdefault(e.data.numel(), []).append(e.data)
+            self._to_spare(e.data)
             self._freed.set()
+
+    def _to_spare(self, buf: torch.Tensor) -> None:
+        """Keep a chunk's buffer (still counted) for the next allocation of its size."""
+        if self.budget is None:  # without a budget nothing would ever bound the spares
+            self.used -= buf.numel()
+        else:
+            self._spare.setdefault(buf.numel(), []).append(buf)
 
     def _take_spare(self, nbytes: int) -> torch.Tensor | None:
         """A spare buffer of exactly ``nbytes`` that nobody references any more, or None."""
@@ -173,10 +168,11 @@ class HostTier:
         """Chunks not yet on disk."""
         return sum(e.dirty for e in self._entries.values())
 
-    def _evict_one(self) -> torch.Tensor | None:
-        """Remove the least recently used clean chunk; its bytes stay counted until released."""
+    def _evict_one(self) -> bool:
+        """Make the least recently used clean chunk's buffer a spare; False if none is clean."""
         for cid, e in self._entries.items():
             if not e.dirty:
                 del self._entries[cid]
-                return e.data
-        return None
+                self._to_spare(e.data)
+                return True
+        return False

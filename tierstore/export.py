@@ -1,9 +1,11 @@
 """Writing store tensors as (sharded) safetensors files, one tensor piece at a time.
 
 The header of a shard needs only shapes and dtypes (from ``Store.info``), so it is written first
-and the data streams after it: peak memory is one piece of one tensor, not a shard. Shards follow
-the Hugging Face layout: ``model.safetensors`` alone, or ``model-0000i-of-0000n.safetensors``
-plus ``model.safetensors.index.json`` when the tensors exceed the shard size.
+and the data streams after it: peak memory is one piece of one tensor, not a shard. Pieces are
+dim-0 slices (``Store.get(index=slice)``) in C order, so writing them one after another gives the
+tensor's bytes. Shards follow the Hugging Face layout: ``model.safetensors`` alone, or
+``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json`` when the tensors
+exceed the shard size. Both ``tierstore export`` and the trainer's ``save_model`` write this way.
 """
 
 from __future__ import annotations
@@ -12,18 +14,43 @@ import json
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
-import tierstore
+from tierstore.dtypes import as_bytes
+from tierstore.errors import CorruptData, InvalidKey
+from tierstore.records import TensorInfo
 from tierstore.safetensors import header_bytes
-from tools.errors import UsageError
-from tools.tensor_stream import as_bytes, iter_pieces, out_dtype
+
+if TYPE_CHECKING:
+    from tierstore.sync import Store
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+
+
+def out_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
+    """The exported dtype: ``cast`` for floating tensors, the stored dtype otherwise."""
+    return cast if cast is not None and dtype.is_floating_point else dtype
+
+
+def iter_pieces(store: Store, info: TensorInfo, piece_bytes: int,
+                cast: torch.dtype | None = None) -> Iterator[torch.Tensor]:
+    """The tensor of ``info`` as contiguous dim-0 pieces of at most ~``piece_bytes`` each."""
+    shape = tuple(info.shape)
+    target = out_dtype(info.dtype, cast)
+    if not shape or info.nbytes <= piece_bytes or shape[0] <= 1:
+        yield store.get(info.key).to(target).contiguous()
+        return
+    row_bytes = max(1, info.nbytes // shape[0])
+    rows = max(1, piece_bytes // row_bytes)
+    for start in range(0, shape[0], rows):
+        part = store.get(info.key, index=slice(start, min(start + rows, shape[0])))
+        yield part.to(target).contiguous()
+        del part
 
 
 def plan_shards(sizes: Sequence[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
@@ -42,7 +69,7 @@ def plan_shards(sizes: Sequence[tuple[str, int]], max_shard_bytes: int) -> list[
     return [s for s in shards if s] or [[]]
 
 
-def write_shard(store: tierstore.Store, path: str, infos: Sequence[tierstore.TensorInfo],
+def write_shard(store: Store, path: str, infos: Sequence[TensorInfo],
                 cast: torch.dtype | None, piece_bytes: int, bar: tqdm) -> None:
     """One safetensors file holding ``infos``' tensors, streamed piece by piece."""
     # widest dtypes first: with the 8-byte aligned header every tensor starts aligned
@@ -55,21 +82,21 @@ def write_shard(store: tierstore.Store, path: str, infos: Sequence[tierstore.Ten
             expect = math.prod(info.shape) * out_dtype(info.dtype, cast).itemsize
             written = 0
             for piece in iter_pieces(store, info, piece_bytes, cast):
-                written += f.write(as_bytes(piece))
+                written += f.write(as_bytes(piece).numpy())
                 bar.update(piece.numel() * piece.element_size())
                 del piece
             if written != expect:  # the header promised these bytes: never write a lying file
-                raise tierstore.CorruptData(f"{info.key!r}: read {written} bytes, expected {expect}",
-                                            info.key, None)
+                raise CorruptData(f"{info.key!r}: read {written} bytes, expected {expect}",
+                                  info.key, None)
 
 
-def write_safetensors(store: tierstore.Store, infos: Sequence[tierstore.TensorInfo], out: str,
+def write_safetensors(store: Store, infos: Sequence[TensorInfo], out: str,
                       max_shard_bytes: int, cast: torch.dtype | None = None,
                       piece_bytes: int = 64 << 20, quiet: bool = False) -> list[str]:
     """Write ``infos``' tensors into the folder ``out``; return the file names written."""
     by_key = {i.key: i for i in infos}
     if "__metadata__" in by_key:
-        raise UsageError("key '__metadata__' is reserved by the safetensors header; exclude it")
+        raise InvalidKey("key '__metadata__' is reserved by the safetensors header; exclude it")
     sizes = [(i.key, math.prod(i.shape) * out_dtype(i.dtype, cast).itemsize) for i in infos]
     shards = plan_shards(sizes, max_shard_bytes)
     total = sum(n for _, n in sizes)
