@@ -78,7 +78,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out["hf"] = dict(log=hf.state.log_history, events=rec.events, result=hf_result, eval=hf.evaluate(),
                      ckpts=sorted(glob.glob(str(tmp / "hf" / "checkpoint-*"))), tb=_scalars(str(tmp / "hf")))
 
-    mt.init(offload_dir=None, max_vram_gb="256KiB", max_ram_gb="64MiB", optimizer_compression="raw", device="cpu")
+    mt.init(offload_dir=None, max_vram_gb="96KiB", max_ram_gb="64MiB", optimizer_compression="raw", device="cpu")
     rec = Recorder()
     ours = mt.Trainer(twin, _args(str(tmp / "mt")), collator, train_ds, eval_ds, tok, callbacks=[rec])
     try:
