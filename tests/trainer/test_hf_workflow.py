@@ -232,3 +232,11 @@ def test_cli_errors_are_one_line(tmp_path: Any, capsys: Any) -> None:
     err = capsys.readouterr().err
     assert code != 0 and len(err.strip().splitlines()) == 1, err
     assert "only decoder-only causal LMs" in err
+
+
+def test_readme_table_lists_every_field_and_is_current() -> None:
+    from tools.hf_args_table import END, START, table
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    block = readme.split(START, 1)[1].split(END, 1)[0].strip()
+    assert block == table().strip(), "run: python -m tools.hf_args_table --write README.md"
