@@ -49,6 +49,7 @@ from trainer.data import (
 )
 from trainer.model import ModelParts, decompose
 from trainer.optimizer import AdamWHyper, StoreAdamW, UpdateWorker
+from trainer.steps import RunLog, apply_runtime_args, grad_sink
 from trainer.streaming import StreamingEngine, count_loss_tokens
 
 _GIB = 1 << 30
@@ -175,25 +176,6 @@ def _no_decay_names(model: nn.Module) -> set[str]:
                 out.add(full)
     names = {n for n, _ in model.named_parameters()}
     return out & names
-
-
-def _grad_sink(opt: StoreAdamW, worker: UpdateWorker, norms: dict[str, torch.Tensor], step: int,
-               hyper: AdamWHyper, clip: float | None, j: int, last: bool) -> Any:
-    """The engine's gradient sink for micro-batch ``j`` of optimizer step ``step`` (1-based)."""
-
-    def sink(g: int, grads: dict[str, torch.Tensor]) -> None:
-        if last and clip is None:
-            # The final sums go straight to the optimizer, not through the store.
-            final = grads if j == 0 else opt.add_accumulated(grads)
-        else:
-            final = opt.accumulate(grads, first=j == 0)
-        if last:
-            for name, t in final.items():
-                norms[name] = torch.linalg.vector_norm(t, 2.0)
-            if clip is None:  # no global norm to wait for: update this group now, on the worker
-                worker.submit(g, step, hyper, None, final)
-
-    return sink
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,7 +416,7 @@ class Trainer:
         clip, all_params = cfg.clip_norm, self.parts.all_params()
         bar = tqdm(total=total, initial=start, disable=cfg.disable_tqdm, desc="train", dynamic_ncols=True)
         sized = has_length(self.train_dataset)
-        run = _RunLog(start=start, t0=time.time())
+        run = RunLog(start=start, t0=time.time())
         self.control = h.on_train_begin(args, st, self.control)
         if cfg.eval_on_start:
             self._evaluate_during_train(ignore_keys)
@@ -463,7 +445,7 @@ class Trainer:
                 norms: dict[str, torch.Tensor] = {}
                 loss_sum, tokens = 0.0, 0
                 for j, batch in enumerate(micro):
-                    sink = _grad_sink(opt, worker, norms, step + 1, hyper, clip, j, j == len(micro) - 1)
+                    sink = grad_sink(opt, worker, norms, step + 1, hyper, clip, j, j == len(micro) - 1)
                     loss_sum += engine.forward_backward(batch, num_items, sink)
                     tokens += int(batch["attention_mask"].sum())
                     st.num_input_tokens_seen += (int(batch["input_ids"].numel()) if cfg.include_num_input_tokens_seen
@@ -519,11 +501,11 @@ class Trainer:
         self.control = h.on_train_end(args, st, self.control)
         return TrainOutput(st.global_step, train_loss, metrics)
 
-    def _end_epoch(self, run: _RunLog, ignore_keys: list[str] | None) -> None:
+    def _end_epoch(self, run: RunLog, ignore_keys: list[str] | None) -> None:
         self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
         self._maybe_log_save_evaluate(run, ignore_keys)
 
-    def _maybe_log_save_evaluate(self, run: _RunLog, ignore_keys: list[str] | None) -> None:
+    def _maybe_log_save_evaluate(self, run: RunLog, ignore_keys: list[str] | None) -> None:
         """transformers' order: log the window, evaluate, then checkpoint, as the control flags ask."""
         if self.control.should_log and self.state.global_step > run.last_logged:
             self._log(run.window_logs(self.state.global_step))
@@ -640,48 +622,3 @@ class Trainer:
             infos = [self.store.info(name) for name in self.parts.all_params()]
             write_safetensors(self.store, infos, out, max_shard_bytes, quiet=self._cfg.disable_tqdm)
         return out
-
-
-@dataclass(slots=True)
-class _RunLog:
-    """The losses of one ``train`` call: the window since the last log and the run's total."""
-
-    start: int
-    t0: float
-    window: float = 0.0
-    total: float = 0.0
-    last_loss: float = math.nan
-    last_logged: int = -1
-    last: dict[str, float] | None = None
-
-    def __post_init__(self) -> None:
-        self.last_logged = self.start
-
-    def add(self, loss: float, nan_filter: bool, step: int) -> None:
-        """Add the loss of 0-based ``step`` (a nan/inf one counts as the window's mean so far, filtered)."""
-        self.last_loss = loss
-        if nan_filter and not math.isfinite(loss):
-            loss = self.window / (1 + step - self.last_logged)
-        self.window += loss
-
-    def window_logs(self, step: int) -> dict[str, Any]:
-        """The log of the window ending at ``step``, which is then cleared."""
-        n = step - self.last_logged
-        logs = {"loss": self.window / n, **(self.last or {})}
-        self.total += self.window
-        self.window, self.last_logged = 0.0, step
-        return logs
-
-
-def apply_runtime_args(args: Any) -> None:
-    """The process-wide settings transformers' Trainer applies: TF32 flags, logging verbosity."""
-    tf32 = getattr(args, "tf32", None)
-    if tf32 is not None and torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = bool(tf32)
-        torch.backends.cudnn.allow_tf32 = bool(tf32)
-    level = getattr(args, "log_level", "passive")
-    level = getattr(level, "value", level)
-    if level and level != "passive":
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity(hf_logging.get_log_levels_dict()[level])
