@@ -237,7 +237,7 @@ class Trainer:
             self.eval_dataset = prepare(eval_dataset) if eval_dataset is not None else None
         self.state = TrainerState()
         self.control = TrainerControl()
-        self.callback_handler = build_handler(self._cfg, self._cfg.report_to, callbacks, model, processing_class)
+        self.callback_handler = build_handler(self._cfg.report_to, callbacks, model, processing_class)
         self._store = getattr(model, "_trainer_store", None)
         self._lock = threading.RLock()
         self._engine: StreamingEngine | None = None

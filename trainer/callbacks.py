@@ -70,8 +70,7 @@ def reporting_callbacks(report_to: Any) -> list[Any]:
     return out
 
 
-def build_handler(args: Any, report_to: Any, callbacks: list[Any] | None, model: Any,
-                  processing_class: Any) -> CallbackHandler:
+def build_handler(report_to: Any, callbacks: list[Any] | None, model: Any, processing_class: Any) -> CallbackHandler:
     """The handler transformers' Trainer would build: flow, integrations, then the user's callbacks."""
     default = [DefaultFlowCallback, JsonlLogCallback(), *reporting_callbacks(report_to)]
     return CallbackHandler(default + list(callbacks or []), model, processing_class, None, None)
