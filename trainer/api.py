@@ -235,6 +235,9 @@ class Trainer:
             self.eval_dataset: Any = {k: prepare(v) for k, v in eval_dataset.items()}
         else:
             self.eval_dataset = prepare(eval_dataset) if eval_dataset is not None else None
+        if self._cfg.eval_strategy != "no" and eval_dataset is None:
+            raise ValueError(f"eval_strategy={self._cfg.eval_strategy!r} needs an eval_dataset (transformers "
+                             "refuses this too); pass one or set eval_strategy='no'")
         self.state = TrainerState()
         self.control = TrainerControl()
         self.callback_handler = build_handler(self._cfg.report_to, callbacks, model, processing_class)
@@ -288,13 +291,10 @@ class Trainer:
 
     def _give_back_weights(self, real: bool) -> None:
         """Bind the store's weights back into a model that came with real ones; else say where they are."""
+        self._drop_meta_hook()
         if real:
             with self._lock:
                 model_mod.bind_weights_(self.model, self.store.get)
-            hook = getattr(self.model, "_trainer_meta_hook", None)
-            if hook is not None:
-                hook.remove()
-                self.model._trainer_meta_hook = None
             return
         if getattr(self.model, "_trainer_meta_hook", None) is None:
             where = self._default_store_path() if self._store is None else self._store.path
@@ -305,6 +305,13 @@ class Trainer:
                                    "trainer.evaluate(), or `tierstore export STORE DIR --format hf`")
 
             self.model._trainer_meta_hook = self.model.register_forward_pre_hook(refuse)
+
+    def _drop_meta_hook(self) -> None:
+        # the engine may run the top-level module itself (a model that is its own body)
+        hook = getattr(self.model, "_trainer_meta_hook", None)
+        if hook is not None:
+            hook.remove()
+            self.model._trainer_meta_hook = None
 
     def _check_weights(self) -> None:
         have = set(self.store.keys())
@@ -362,6 +369,7 @@ class Trainer:
         if not has_length(self.train_dataset) and cfg.max_steps <= 0:
             raise ValueError("the train_dataset has no length (an IterableDataset): set max_steps > 0")
         apply_runtime_args(args)
+        self._drop_meta_hook()
         if resume_from_checkpoint:
             self._open_for_resume(resume_from_checkpoint)
             real = any(p.device.type != "meta" for p in self.model.parameters())
@@ -552,7 +560,8 @@ class Trainer:
         if eval_dataset is not None and self._cfg.remove_unused_columns:
             ds = drop_unused_columns(ds, self.model)
         real = False
-        if self._engine is None or self._worker is None:
+        if self._worker is None:  # not inside train(): the weights may still be in the model
+            self._drop_meta_hook()
             if not set(self.parts.all_params()) <= set(self.store.keys()) or any(
                     p.device.type != "meta" for p in self.model.parameters()):
                 real = self._take_weights()
@@ -587,8 +596,8 @@ class Trainer:
                    f"{metric_key_prefix}_steps_per_second": round(len(losses) / runtime, 3)}
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        if real:
-            self._give_back_weights(True)
+        if self._worker is None:
+            self._give_back_weights(real)
         return metrics
 
     # -- trace and export ------------------------------------------------------------------

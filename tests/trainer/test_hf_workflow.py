@@ -170,6 +170,14 @@ def test_bert_is_refused_as_not_a_causal_lm() -> None:
         mt.Trainer(bert, TrainingArguments(output_dir="unused"))
 
 
+def test_trainer_arguments_transformers_refuses_too(dataset: Any) -> None:
+    with pytest.raises(ValueError, match="needs an eval_dataset"):
+        mt.Trainer(build(llama_config(1)), TrainingArguments(output_dir="unused", eval_strategy="steps"),
+                   train_dataset=dataset)
+    with pytest.raises(ValueError, match="compute_metrics=.... is refused"):
+        mt.Trainer(build(llama_config(1)), TrainingArguments(output_dir="unused"), compute_metrics=lambda p: {})
+
+
 def test_every_hf_field_has_a_policy_and_refusals_name_the_field(tmp_path: Any) -> None:
     pytest.importorskip("accelerate")
     from transformers import TrainingArguments as HFArgs
