@@ -11,8 +11,6 @@ from the last commit's step with the same data order and RNG state.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import os
 import re
@@ -31,14 +29,13 @@ from trainer.args import TrainingArguments, from_hf_args, learning_rate_at
 from trainer.callbacks import TrainerControl, TrainerState, build_handler
 from trainer.checkpoint import (
     NO_CHECKPOINT,
-    RNG_KEY,
     STATE_KEY,
     drop_gradients,
-    get_bytes,
     has_checkpoint,
-    put_bytes,
+    load_state,
     resolve_resume,
     save_hf_files,
+    save_state,
 )
 from trainer.data import (
     drop_unused_columns,
@@ -298,13 +295,7 @@ class Trainer:
             return
         if getattr(self.model, "_trainer_meta_hook", None) is None:
             where = self._default_store_path() if self._store is None else self._store.path
-
-            def refuse(_mod: nn.Module, _args: Any) -> None:
-                raise RuntimeError(f"this model is a meta-device skeleton: its weights live in the store at {where}. "
-                                   "Use trainer.save_model(DIR) and AutoModelForCausalLM.from_pretrained(DIR), "
-                                   "trainer.evaluate(), or `tierstore export STORE DIR --format hf`")
-
-            self.model._trainer_meta_hook = self.model.register_forward_pre_hook(refuse)
+            self.model._trainer_meta_hook = model_mod.guard_meta(self.model, where)
 
     def _drop_meta_hook(self) -> None:
         # the engine may run the top-level module itself (a model that is its own body)
@@ -320,24 +311,13 @@ class Trainer:
             raise ValueError(f"the store at {self.store.path} lacks {len(missing)} weights of this model, e.g. "
                              f"{missing[:3]}: pass a model with weights, or one from trainer.load_model")
 
-    def _save_state(self) -> None:
-        put_bytes(self.store, STATE_KEY, self.state.to_json_string().encode() if hasattr(self.state, "to_json_string")
-                  else json.dumps(dataclasses.asdict(self.state)).encode())
-        self.store.put(RNG_KEY, torch.get_rng_state(), codec="raw")
-
-    def _load_state(self) -> None:
-        d = json.loads(get_bytes(self.store, STATE_KEY))
-        known = {f.name for f in dataclasses.fields(TrainerState)}
-        self.state = TrainerState(**{k: v for k, v in d.items() if k in known and k != "stateful_callbacks"})
-        torch.set_rng_state(self.store.get(RNG_KEY).to(torch.uint8))
-
     def _checkpoint(self) -> None:
         """A store commit at this step boundary: no gradients, the state, the retention of save_total_limit."""
         if self._worker is not None:
             self._worker.wait_all()
         with self._lock:
             drop_gradients(self.store)
-            self._save_state()
+            save_state(self.store, self.state)
             self.store.commit(step=self.state.global_step, message=f"trainer step {self.state.global_step}")
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
@@ -375,7 +355,7 @@ class Trainer:
             real = any(p.device.type != "meta" for p in self.model.parameters())
             model_mod.to_meta_(self.model)
             self._check_weights()
-            self._load_state()
+            self.state = load_state(self.store)
         else:
             if getattr(args, "full_determinism", False):
                 from transformers import enable_full_determinism

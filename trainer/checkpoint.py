@@ -12,6 +12,8 @@ boundaries, where no gradient is accumulating, so they are deleted first (4 B a 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
 import tempfile
@@ -93,6 +95,23 @@ def save_hf_files(store: Any, model: Any, processing_class: Any = None) -> list[
                     put_bytes(store, HF_META + name, f.read())
                 names.append(name)
     return names
+
+
+def save_state(store: Any, state: Any) -> None:
+    """Put transformers' TrainerState (JSON) and torch's RNG state into the store."""
+    put_bytes(store, STATE_KEY, json.dumps(dataclasses.asdict(state), sort_keys=True).encode())  # as save_to_json
+    store.put(RNG_KEY, torch.get_rng_state(), codec="raw")
+
+
+def load_state(store: Any) -> Any:
+    """The TrainerState of the store's head; torch's RNG state is restored from it too."""
+    from trainer.callbacks import TrainerState
+
+    d = json.loads(get_bytes(store, STATE_KEY))
+    known = {f.name for f in dataclasses.fields(TrainerState)}
+    state = TrainerState(**{k: v for k, v in d.items() if k in known and k != "stateful_callbacks"})
+    torch.set_rng_state(store.get(RNG_KEY).to(torch.uint8))
+    return state
 
 
 def drop_gradients(store: Any) -> int:

@@ -227,6 +227,17 @@ def bind_weights_(model: nn.Module, get: Any) -> None:
                 mod._parameters[local] = made[id(p)]
 
 
+def guard_meta(model: nn.Module, where: str) -> Any:
+    """A forward pre-hook that makes calling a meta skeleton say where its weights are; returns its handle."""
+
+    def refuse(_mod: nn.Module, _args: Any) -> None:
+        raise RuntimeError(f"this model is a meta-device skeleton: its weights live in the store at {where}. "
+                           "Use trainer.save_model(DIR) and AutoModelForCausalLM.from_pretrained(DIR), "
+                           "trainer.evaluate(), or `tierstore export STORE DIR --format hf`")
+
+    return model.register_forward_pre_hook(refuse)
+
+
 def read_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from a safetensors file one tensor at a time, in file order.
 
