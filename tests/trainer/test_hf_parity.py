@@ -150,3 +150,39 @@ def test_jsonl_log_and_trace_in_output_dir(runs: dict[str, Any]) -> None:
     cats = {e.get("cat") for e in trace["traceEvents"]}
     assert "compute" in cats and "disk" in cats
     assert runs["mt"]["store"] == str(out / "store")
+
+
+def test_epochs_partial_batches_and_epoch_strategies_match(tmp_path: Any) -> None:
+    """num_train_epochs instead of max_steps, a partial last batch and accumulation window,
+    evaluation and checkpoints once an epoch, every step logged."""
+    tok = bpe_tokenizer()
+    train_ds, eval_ds = text_splits(tok, n_train=22, n_eval=6)
+    collator = DataCollatorForLanguageModeling(tok, mlm=False)
+    model = tiny_llama(tok, seed=3)
+    twin = copy.deepcopy(model)
+
+    def args(out: str) -> HFArgs:
+        return HFArgs(output_dir=out, per_device_train_batch_size=4, per_device_eval_batch_size=4,
+                      gradient_accumulation_steps=2, num_train_epochs=2, learning_rate=3e-3, logging_steps=1,
+                      eval_strategy="epoch", save_strategy="epoch", report_to=[], seed=11, disable_tqdm=True,
+                      use_cpu=True, lr_scheduler_type="linear", warmup_steps=1)
+
+    rec_hf, rec_mt = Recorder(), Recorder()
+    hf = HFTrainer(model=model, args=args(str(tmp_path / "hf")), data_collator=collator, train_dataset=train_ds,
+                   eval_dataset=eval_ds, callbacks=[rec_hf])
+    hf.train()
+    mt.init(offload_dir=None, max_vram_gb="96KiB", max_ram_gb="64MiB", optimizer_compression="raw", device="cpu")
+    ours = mt.Trainer(twin, args(str(tmp_path / "mt")), collator, train_ds, eval_ds, tok, callbacks=[rec_mt])
+    try:
+        ours.train()
+        commits = [v.step for v in ours.store.versions()]
+    finally:
+        ours.close()
+    for key in ("loss", "eval_loss", "epoch", "learning_rate"):
+        a, b = _series(hf.state.log_history, key), _series(ours.state.log_history, key)
+        assert [s for s, _ in a] == [s for s, _ in b] and a, key
+        for (step, x), (_, y) in zip(a, b, strict=True):
+            assert y == pytest.approx(x, rel=1e-5, abs=1e-7), (key, step, x, y)
+    assert [s for s, _ in _series(hf.state.log_history, "loss")] == [1, 2, 3, 4, 5, 6]  # 3 steps an epoch
+    assert rec_mt.events == rec_hf.events
+    assert commits == [3, 6] and len(glob.glob(str(tmp_path / "hf" / "checkpoint-*"))) == 2
