@@ -323,13 +323,19 @@ class Trainer:
 
     def _open_for_resume(self, resume: Any) -> None:
         default = self._default_store_path()
-        path = resolve_resume(resume, default, self._cfg.output_dir)
+        path, step = resolve_resume(resume, default, self._cfg.output_dir)
         if self._store is not None and os.path.abspath(self._store.path) != os.path.abspath(path):
             self.close()
         if self._store is None:
             self._store = open_store(path)
         if not has_checkpoint(self._store):
             raise ValueError(f"{NO_CHECKPOINT} ({self._cfg.output_dir}): the store at {path} has no trainer checkpoint")
+        steps = [v.step for v in self._store.versions()]
+        if step is not None and step != steps[-1]:
+            # a writer continues from the head, which is the last commit: older ones are read-only
+            raise ValueError(f"checkpoint-{step}: the store {path} can resume from its last commit only "
+                             f"(step {steps[-1]}; retained steps {steps}); open an older one read-only with "
+                             f"tierstore.open(path, mode='r', version=...)")
 
     # -- the loop --------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: bool | str | None = None, trial: Any = None,

@@ -38,26 +38,30 @@ def has_checkpoint(store: Any) -> bool:
     return bool(store.versions()) and STATE_KEY in store.keys(prefix="trainer/")
 
 
-def resolve_resume(resume: bool | str | os.PathLike[str], default_store: str, output_dir: str) -> str:
-    """The store folder to resume from, following transformers' meaning of ``resume_from_checkpoint``.
+def resolve_resume(resume: bool | str | os.PathLike[str], default_store: str,
+                   output_dir: str) -> tuple[str, int | None]:
+    """The store folder to resume from (and the step asked for), as transformers means it.
 
     True: the run's own store (``default_store``), which must hold a checkpoint; a path: a store
-    folder, or a run folder holding ``store/``. An HF-style ``checkpoint-N`` folder names a commit
-    of the run's store; never is a new, empty store created.
+    folder, or a run folder holding ``store/``; an HF-style ``<dir>/checkpoint-N`` names the
+    commit at step N of the store in ``<dir>/store`` (or the run's store). Never is a new, empty
+    store created.
     """
     if resume is True:
         if not is_store(default_store):
             raise ValueError(f"{NO_CHECKPOINT} ({output_dir}): there is no store at {default_store}")
-        return default_store
+        return default_store, None
     path = os.fspath(resume)  # type: ignore[arg-type]
     if is_store(path):
-        return path
+        return path, None
     if is_store(os.path.join(path, "store")):
-        return os.path.join(path, "store")
+        return os.path.join(path, "store"), None
     m = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(os.path.normpath(path)))
-    if m and is_store(default_store):
-        raise ValueError(f"{path}: this trainer's checkpoints are commits of the store {default_store}, not "
-                         f"folders; pass resume_from_checkpoint=True (its last commit) or that store's path")
+    if m:
+        beside = os.path.join(os.path.dirname(os.path.normpath(path)), "store")
+        for candidate in (beside, default_store):
+            if is_store(candidate):
+                return candidate, int(m.group(1))
     raise ValueError(f"resume_from_checkpoint={path!r}: not a tierstore store (no catalog/ in it) nor a run "
                      "folder holding store/; nothing is created there")
 

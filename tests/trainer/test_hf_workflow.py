@@ -63,6 +63,10 @@ def test_resume_from_a_store_path_and_checkpoints_hold_no_gradients(dataset: Any
     # clipping + accumulation routes gradients through grad/* in the store; no commit keeps them
     with tierstore.open(store_path, mode="r", device="cpu") as ro:
         assert ro.keys(prefix="grad/") == [] and "meta/hf/config.json" in ro.keys(prefix="meta/")
+    early = mt.Trainer(build(llama_config(2)), _args(tmp_path / "b", max_grad_norm=1.0), train_dataset=dataset)
+    with pytest.raises(ValueError, match=r"checkpoint-1: .* last commit only \(step 2"):
+        early.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-1"))
+    early.close()
     resumed = mt.Trainer(build(llama_config(2), seed=5), _args(tmp_path / "elsewhere", max_grad_norm=1.0),
                          train_dataset=dataset)
     try:
@@ -74,6 +78,17 @@ def test_resume_from_a_store_path_and_checkpoints_hold_no_gradients(dataset: Any
                 assert ro.keys(prefix="grad/") == [], v
     finally:
         resumed.close()
+    # HF's own spelling of the last checkpoint: <output_dir>/checkpoint-N
+    first = mt.Trainer(build(llama_config(2)), _args(tmp_path / "c", max_grad_norm=1.0), train_dataset=dataset)
+    first.train(stop_at_step=2)
+    first.close()
+    hf_style = mt.Trainer(build(llama_config(2), seed=9), _args(tmp_path / "c", max_grad_norm=1.0),
+                          train_dataset=dataset)
+    try:
+        hf_style.train(resume_from_checkpoint=str(tmp_path / "c" / "checkpoint-2"))
+        assert [e["loss"] for e in hf_style.state.log_history if "loss" in e] == want
+    finally:
+        hf_style.close()
 
 
 def test_model_is_usable_after_train(dataset: Any, tmp_path: Any) -> None:
