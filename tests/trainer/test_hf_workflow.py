@@ -263,3 +263,23 @@ def test_readme_table_lists_every_field_and_is_current() -> None:
     readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
     block = readme.split(START, 1)[1].split(END, 1)[0].strip()
     assert block == table().strip(), "run: python -m tools.hf_args_table --write README.md"
+
+
+def test_report_to_tensorboard_without_tensorboard_warns_and_jsonl_still_written(
+        dataset: Any, tmp_path: Any, monkeypatch: Any) -> None:
+    from transformers.integrations import integration_utils
+
+    class Missing:
+        def __init__(self) -> None:
+            raise RuntimeError("TensorBoardCallback requires tensorboard to be installed")
+
+    monkeypatch.setitem(integration_utils.INTEGRATION_TO_CALLBACK, "tensorboard", Missing)
+    _init()
+    with pytest.warns(UserWarning, match="report_to='tensorboard'.*requires tensorboard"):
+        tr = mt.Trainer(build(llama_config(1)), _args(tmp_path / "out", max_steps=1, report_to="tensorboard"),
+                        train_dataset=dataset)
+    try:
+        tr.train()
+    finally:
+        tr.close()
+    assert (tmp_path / "out" / "trainer_log.jsonl").is_file() and not (tmp_path / "out" / "runs").exists()
