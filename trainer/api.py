@@ -414,7 +414,7 @@ class Trainer:
         self.control = h.on_train_begin(args, st, self.control)
         if cfg.eval_on_start:
             self._evaluate_during_train(ignore_keys)
-        epoch = None
+        epoch, epoch_first = None, start
         try:
             batches = step_batches(self.train_dataset, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
                                    cfg.sampler_seed, start, self.pad_token_id, self.data_collator,
@@ -426,7 +426,7 @@ class Trainer:
                 if e != epoch:
                     if epoch is not None:
                         self._end_epoch(run, ignore_keys)
-                    epoch = e
+                    epoch, epoch_first = e, step
                     self.control = h.on_epoch_begin(args, st, self.control)
                 t0 = time.perf_counter()
                 stall0, upd0 = float(store.stats().get("stall_s", 0.0)), opt.busy_s
@@ -457,7 +457,7 @@ class Trainer:
                 run.add(loss_sum / num_items, cfg.logging_nan_inf_filter, step)
                 st.global_step = step + 1
                 st.epoch = (epoch_after if sized else
-                            epoch + (st.global_step - start) * cfg.gradient_accumulation_steps / micro_per_epoch)
+                            epoch + (st.global_step - epoch_first) * cfg.gradient_accumulation_steps / micro_per_epoch)
                 self.control = h.on_step_end(args, st, self.control)
                 if stopping and st.global_step >= end:
                     self.control.should_save = self.control.should_training_stop = True
