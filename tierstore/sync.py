@@ -150,6 +150,10 @@ class Store:
         """The I/O trace as Chrome trace JSON (open in Perfetto)."""
         return self._a.tracer.chrome_trace()
 
+    def trace_span(self, name: str, cat: str, start: float, end: float, **args: Any) -> None:
+        """Record a caller's span (``time.perf_counter`` seconds, e.g. a trainer step) in the trace."""
+        self._a.tracer.span(name, cat, start, end, **args)
+
     def close(self, commit: bool = True) -> None:
         """Commit pending changes (unless ``commit=False``), then release files and threads.
 

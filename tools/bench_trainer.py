@@ -65,7 +65,7 @@ def _streaming(model: torch.nn.Module, dataset: Any, a: argparse.Namespace, vram
         stats = tr.store.stats()
     finally:
         tr.close()
-    return tr.state.log_history[1:], stats
+    return [e for e in tr.state.log_history if "loss" in e][1:], stats
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(name, f"{e.filename or ''} {e.strerror or e}".strip(), EXIT_FAULT)
     except KeyboardInterrupt:
         return _fail(name, "interrupted", 130)
+    except Exception as e:  # noqa: BLE001  (one line, never a traceback: TIERSTORE_TRACEBACK=1 shows it)
+        first = (str(e).strip().splitlines() or [""])[0]
+        return _fail(name, f"{type(e).__name__}: {first}", EXIT_FAULT)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@
 
 Tensors stream one dim-0 piece at a time, so peak memory stays near the largest piece (at most
 the largest tensor) whatever the model's size. ``hf`` adds the config.json and
-generation_config.json that ``tierstore import`` kept under ``meta/hf/`` (or ``--config``), so
-``AutoModelForCausalLM.from_pretrained(OUT)`` loads the folder. hf and safetensors exports skip
+the other files that ``tierstore import`` or the trainer kept under ``meta/hf/`` (config.json,
+generation_config.json, a tokenizer's files; or ``--config``), so
+``AutoModelForCausalLM.from_pretrained(OUT)`` (and ``AutoTokenizer``) load the folder. hf and safetensors exports skip
 training state: keys under opt/, grad/, trainer/ and meta/ (``--all-keys`` keeps them).
 OUT must not exist or be empty; files are written to OUT.partial and renamed at the end.
 """
@@ -111,10 +112,13 @@ def run(args: argparse.Namespace) -> int:
             with open(os.path.join(partial, "config.json"), "w") as f:
                 json.dump(config, f, indent=2)
                 f.write("\n")
-            gen = read_meta_file(store, "generation_config.json")
-            if gen is not None:
-                with open(os.path.join(partial, "generation_config.json"), "wb") as f:
-                    f.write(gen)
+            # generation config, tokenizer files (kept by import, or by the trainer's processing_class)
+            for key in store.keys(prefix=HF_META):
+                name = key[len(HF_META):]
+                if name == "config.json" or "/" in name:
+                    continue
+                with open(os.path.join(partial, name), "wb") as f:
+                    f.write(read_meta_file(store, name) or b"")
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise

@@ -7,7 +7,10 @@
 
 Data is a .npy array of token ids (loaded without pickles) or text files, read as UTF-8 bytes
 (byte tokens 0-255, for models whose vocabulary has at least 256 entries); the tokens are cut
-into --block-size blocks. A thin layer over ``trainer``: it is imported only when this runs.
+into --block-size blocks. The run's store is DIR/store (--output-dir DIR, default
+trainer_output) unless --offload-dir names another folder; DIR also gets trainer_log.jsonl and
+trace.json (``tierstore trace DIR`` draws it). --resume continues from the store's last commit
+and fails in one line when there is none. A thin layer over ``trainer``: imported only when this runs.
 """
 
 from __future__ import annotations
@@ -116,6 +119,16 @@ def model_source(path: str) -> Any:
         raise MalformedInput(f"{path}: {e}") from None
 
 
+def has_checkpoint(store_dir: str) -> bool:
+    """Whether ``store_dir`` is a store with a committed trainer state (read-only look, creates nothing)."""
+    if not os.path.isdir(os.path.join(store_dir, "catalog")):
+        return False
+    import tierstore
+
+    with tierstore.open(store_dir, mode="r", ram_budget="16MiB", device_budget=None, device="cpu") as s:
+        return bool(s.versions()) and "trainer/state" in s.keys(prefix="trainer/")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the demo, or train the given model on the given data."""
     options = {k: v for k, v in vars(args).items()
@@ -136,6 +149,11 @@ def run(args: argparse.Namespace) -> int:
             if getattr(args, k) is not None}
     if args.optimizer_compression is not None:
         init["optimizer_compression"] = args.optimizer_compression
+    out_dir = args.output_dir or getattr(targs, "output_dir", None) or "trainer_output"
+    offload = init.setdefault("offload_dir", os.path.join(out_dir, "store"))
+    if args.resume and not has_checkpoint(offload):
+        raise UsageError(f"--resume: No valid checkpoint found in output directory {out_dir} "
+                         f"(no committed run in {offload})")
     mt.init(**init)
     source = model_source(args.model)
     dataset = TokenBlocks(load_tokens(args.data), args.block_size or 256)
@@ -154,5 +172,5 @@ def run(args: argparse.Namespace) -> int:
         if close is not None:
             close()
     print(f"trained {getattr(result, 'global_step', '?')} steps; "
-          f"loss {getattr(result, 'training_loss', '?')}; output in {targs.output_dir}")
+          f"loss {getattr(result, 'training_loss', '?')}; output in {out_dir}")
     return EXIT_OK

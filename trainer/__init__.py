@@ -1,11 +1,14 @@
 """trainer: a lean layer-streaming trainer for Hugging Face causal LMs on top of tierstore."""
 
-from trainer.api import Trainer, TrainerState, TrainOutput, init, load_model
+from trainer.api import Trainer, TrainOutput, init, load_model
 from trainer.args import TrainingArguments
+from trainer.callbacks import TrainerCallback, TrainerControl, TrainerState
 from trainer.model import UnsupportedModelError, decompose
 
 __all__ = [
     "Trainer",
+    "TrainerCallback",
+    "TrainerControl",
     "TrainerState",
     "TrainOutput",
     "TrainingArguments",

@@ -1,14 +1,16 @@
-"""The user-facing trainer: ``init``, ``load_model``, ``Trainer`` (train, save_model, store).
+"""The user-facing trainer: ``init``, ``load_model``, ``Trainer`` (train, evaluate, save_model, store).
 
+``Trainer`` has ``transformers.Trainer``'s arguments, loop order and callback events (its own
+``TrainerState``/``TrainerControl``/``DefaultFlowCallback``, ``trainer.callbacks``), so that a script
+written for transformers runs here with the same logged losses and the same callback sequence.
 One store per run holds everything: fp32 master weights under their HF names, accumulated
-gradients, Adam moments, and the trainer's own state (``trainer/state`` as JSON bytes,
-``trainer/rng``). A checkpoint is a store commit; resuming reopens the store and continues from
-the last commit's step with the same data order and RNG state.
+gradients, Adam moments, the trainer's own state and the model's HF files
+(``trainer.checkpoint``). A checkpoint is a store commit; resuming reopens the store and continues
+from the last commit's step with the same data order and RNG state.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -24,14 +26,31 @@ import tierstore
 from tierstore.export import write_safetensors
 from trainer import model as model_mod
 from trainer.args import TrainingArguments, from_hf_args, learning_rate_at
-from trainer.data import step_batches, steps_per_epoch
+from trainer.callbacks import TrainerControl, TrainerState, build_handler
+from trainer.checkpoint import (
+    NO_CHECKPOINT,
+    STATE_KEY,
+    drop_gradients,
+    has_checkpoint,
+    load_state,
+    resolve_resume,
+    save_hf_files,
+    save_state,
+)
+from trainer.data import (
+    drop_unused_columns,
+    eval_batches,
+    has_length,
+    micro_batches_per_epoch,
+    step_batches,
+)
 from trainer.model import ModelParts, decompose
 from trainer.optimizer import AdamWHyper, StoreAdamW, UpdateWorker
+from trainer.steps import RunLog, apply_runtime_args, grad_sink
 from trainer.streaming import StreamingEngine, count_loss_tokens
 
 _GIB = 1 << 30
-STATE_KEY = "trainer/state"
-RNG_KEY = "trainer/rng"
+TRACE_NAME = "trace.json"  # where ``tierstore trace RUN_DIR`` looks
 
 
 @dataclass(kw_only=True, slots=True)
@@ -85,9 +104,11 @@ def init(offload_dir: str | None = None, max_vram_gb: float | str | None = 80, m
     return _session
 
 
-def _device() -> torch.device:
+def _device(cfg: TrainingArguments | None = None) -> torch.device:
     if _session.device is not None:
         return torch.device(_session.device)
+    if cfg is not None and cfg.use_cpu:
+        return torch.device("cpu")
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -154,37 +175,6 @@ def _no_decay_names(model: nn.Module) -> set[str]:
     return out & names
 
 
-def _grad_sink(opt: StoreAdamW, worker: UpdateWorker, norms: dict[str, torch.Tensor], step: int,
-               hyper: AdamWHyper, clip: float | None, j: int, last: bool) -> Any:
-    """The engine's gradient sink for micro-batch ``j`` of optimizer step ``step`` (1-based)."""
-
-    def sink(g: int, grads: dict[str, torch.Tensor]) -> None:
-        if last and clip is None:
-            # The final sums go straight to the optimizer, not through the store.
-            final = grads if j == 0 else opt.add_accumulated(grads)
-        else:
-            final = opt.accumulate(grads, first=j == 0)
-        if last:
-            for name, t in final.items():
-                norms[name] = torch.linalg.vector_norm(t, 2.0)
-            if clip is None:  # no global norm to wait for: update this group now, on the worker
-                worker.submit(g, step, hyper, None, final)
-
-    return sink
-
-
-@dataclass(slots=True)
-class TrainerState:
-    """Progress of a run, saved in every checkpoint."""
-
-    global_step: int = 0
-    log_history: list[dict[str, Any]] | None = None
-
-    def __post_init__(self) -> None:
-        if self.log_history is None:
-            self.log_history = []
-
-
 @dataclass(frozen=True, slots=True)
 class TrainOutput:
     """What ``train`` returns (transformers' field names)."""
@@ -194,28 +184,88 @@ class TrainOutput:
     metrics: dict[str, Any]
 
 
-class Trainer:
-    """Layer-streaming trainer for a Hugging Face causal LM; weights and state live in a Store.
+_REFUSED_INIT = ("model_init", "compute_loss_func", "compute_metrics", "optimizer_cls_and_kwargs",
+                 "preprocess_logits_for_metrics")
 
-    A model with real weights hands them to the store when training starts and is left as a
-    meta-device skeleton (the store holds the only copy; ``save_model`` writes them out).
+
+class Trainer:
+    """Layer-streaming trainer for a Hugging Face causal LM with ``transformers.Trainer``'s API.
+
+    The arguments have transformers' names, order and meaning. ``args`` is a
+    ``transformers.TrainingArguments`` (every field honoured, warned about or refused by name,
+    ``trainer.hf_args``) or the light ``trainer.TrainingArguments``. The weights, moments and
+    state live in a Store (``<output_dir>/store`` unless ``init(offload_dir=)``); a model with
+    real weights hands them to the store for the run and gets the trained ones back when
+    ``train`` returns; a meta skeleton (``load_model``) stays one, and calling it says where its
+    weights are.
     """
 
-    def __init__(self, model: nn.Module, train_dataset: Any, args: Any = None, pad_token_id: int = 0) -> None:
+    def __init__(self, model: nn.Module | None = None, args: Any = None, data_collator: Any = None,
+                 train_dataset: Any = None, eval_dataset: Any = None, processing_class: Any = None,
+                 model_init: Any = None, compute_loss_func: Any = None, compute_metrics: Any = None,
+                 callbacks: list[Any] | None = None, optimizers: tuple[Any, Any] = (None, None),
+                 optimizer_cls_and_kwargs: Any = None, preprocess_logits_for_metrics: Any = None, *,
+                 pad_token_id: int | None = None) -> None:
+        given = dict(model_init=model_init, compute_loss_func=compute_loss_func, compute_metrics=compute_metrics,
+                     optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+                     preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        for name in _REFUSED_INIT:
+            if given[name] is not None:
+                raise ValueError(f"Trainer({name}=...) is refused: this trainer computes the causal-LM loss "
+                                 "itself, runs its own AdamW over the store and reports loss/perplexity only")
+        if optimizers is not None and tuple(optimizers) != (None, None):
+            raise ValueError("Trainer(optimizers=...) is refused: the optimizer is AdamW on the CPU over the store")
+        if model is None:
+            raise ValueError("Trainer needs a model (model_init is refused)")
         self.model = model
-        self.train_dataset = train_dataset
-        self.args = from_hf_args(args) if args is not None else TrainingArguments()
-        self.pad_token_id = pad_token_id
+        self.args = args if args is not None else TrainingArguments()
+        self._cfg = from_hf_args(self.args)
         self.parts: ModelParts = decompose(model)
+        if processing_class is not None and pad_token_id is None:
+            pad_token_id = getattr(processing_class, "pad_token_id", None)
+        self.pad_token_id = 0 if pad_token_id is None else int(pad_token_id)
+        self.processing_class = processing_class
+        self.data_collator = data_collator
+        prepare = (lambda ds: drop_unused_columns(ds, model)) if self._cfg.remove_unused_columns else (lambda ds: ds)
+        self.train_dataset = prepare(train_dataset) if train_dataset is not None else None
+        if isinstance(eval_dataset, dict):
+            self.eval_dataset: Any = {k: prepare(v) for k, v in eval_dataset.items()}
+        else:
+            self.eval_dataset = prepare(eval_dataset) if eval_dataset is not None else None
+        if self._cfg.eval_strategy != "no" and eval_dataset is None:
+            raise ValueError(f"eval_strategy={self._cfg.eval_strategy!r} needs an eval_dataset (transformers "
+                             "refuses this too); pass one or set eval_strategy='no'")
         self.state = TrainerState()
+        self.control = TrainerControl()
+        self.callback_handler = build_handler(self._cfg.report_to, callbacks, model, processing_class)
         self._store = getattr(model, "_trainer_store", None)
         self._lock = threading.RLock()
+        self._engine: StreamingEngine | None = None
+        self._worker: UpdateWorker | None = None
+        self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+
+    # -- callbacks (transformers' names) --------------------------------------------------
+    def add_callback(self, callback: Any) -> None:
+        """Add a callback (class or instance)."""
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        """Remove a callback and return it."""
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        """Remove a callback."""
+        self.callback_handler.remove_callback(callback)
+
+    # -- the store -------------------------------------------------------------------------
+    def _default_store_path(self) -> str:
+        return _session.offload_dir or os.path.join(self._cfg.output_dir, "store")
 
     @property
     def store(self) -> Any:
         """The tierstore Store this run uses (opened on first use)."""
         if self._store is None:
-            self._store = open_store(_session.offload_dir or os.path.join(self.args.output_dir, "store"))
+            self._store = open_store(self._default_store_path())
         return self._store
 
     def close(self) -> None:
@@ -224,152 +274,347 @@ class Trainer:
             close_store(self._store)
             self._store = None
 
-    # -- setup -----------------------------------------------------------------------------
-    def _take_weights(self) -> None:
+    def _take_weights(self) -> bool:
         # A model with real weights hands them to the store and becomes a meta skeleton.
+        real = any(p.device.type != "meta" for p in self.model.parameters())
         store = self.store
         with torch.no_grad():
             for name, p in self.model.named_parameters():
-                if p.device.type == "meta":
-                    continue
-                store.put(name, p.detach().to(torch.float32).contiguous(), codec="raw")
+                if p.device.type != "meta":
+                    store.put(name, p.detach().to(torch.float32).contiguous(), codec="raw")
         model_mod.to_meta_(self.model)
         self.model._trainer_store = store
+        return real
+
+    def _give_back_weights(self, real: bool) -> None:
+        """Bind the store's weights back into a model that came with real ones; else say where they are."""
+        self._drop_meta_hook()
+        if real:
+            with self._lock:
+                model_mod.bind_weights_(self.model, self.store.get)
+            return
+        if getattr(self.model, "_trainer_meta_hook", None) is None:
+            where = self._default_store_path() if self._store is None else self._store.path
+            self.model._trainer_meta_hook = model_mod.guard_meta(self.model, where)
+
+    def _drop_meta_hook(self) -> None:
+        # the engine may run the top-level module itself (a model that is its own body)
+        hook = getattr(self.model, "_trainer_meta_hook", None)
+        if hook is not None:
+            hook.remove()
+            self.model._trainer_meta_hook = None
 
     def _check_weights(self) -> None:
         have = set(self.store.keys())
         missing = [n for n in self.parts.all_params() if n not in have]
         if missing:
-            raise ValueError(f"the store at hand lacks {len(missing)} weights of this model, e.g. {missing[:3]}: "
-                             "pass a model with weights, or one from trainer.load_model")
+            raise ValueError(f"the store at {self.store.path} lacks {len(missing)} weights of this model, e.g. "
+                             f"{missing[:3]}: pass a model with weights, or one from trainer.load_model")
 
-    def _save_state(self, step: int) -> None:
-        blob = json.dumps({"global_step": step, "log_history": self.state.log_history}).encode()
-        self.store.put(STATE_KEY, torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone(), codec="raw")
-        self.store.put(RNG_KEY, torch.get_rng_state(), codec="raw")
+    def _checkpoint(self) -> None:
+        """A store commit at this step boundary: no gradients, the state, the retention of save_total_limit."""
+        if self._worker is not None:
+            self._worker.wait_all()
+        with self._lock:
+            drop_gradients(self.store)
+            save_state(self.store, self.state)
+            self.store.commit(step=self.state.global_step, message=f"trainer step {self.state.global_step}")
+        self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
-    def _load_state(self) -> int:
-        versions = self.store.versions()
-        if not versions:
-            raise ValueError(f"resume_from_checkpoint: the store has no commit to resume from ({self.store!r})")
-        blob = bytes(self.store.get(STATE_KEY).numpy().tobytes())
-        state = json.loads(blob)
-        self.state.global_step = int(state["global_step"])
-        self.state.log_history = list(state["log_history"])
-        torch.set_rng_state(self.store.get(RNG_KEY).to(torch.uint8))
-        return self.state.global_step
+    def _open_for_resume(self, resume: Any) -> None:
+        default = self._default_store_path()
+        path, step = resolve_resume(resume, default, self._cfg.output_dir)
+        if self._store is not None and os.path.abspath(self._store.path) != os.path.abspath(path):
+            self.close()
+        if self._store is None:
+            self._store = open_store(path)
+        if not has_checkpoint(self._store):
+            raise ValueError(f"{NO_CHECKPOINT} ({self._cfg.output_dir}): the store at {path} has no trainer checkpoint")
+        steps = [v.step for v in self._store.versions()]
+        if step is not None and step != steps[-1]:
+            # a writer continues from the head, which is the last commit: older ones are read-only
+            raise ValueError(f"checkpoint-{step}: the store {path} can resume from its last commit only "
+                             f"(step {steps[-1]}; retained steps {steps}); open an older one read-only with "
+                             f"tierstore.open(path, mode='r', version=...)")
 
     # -- the loop --------------------------------------------------------------------------
-    def train(self, resume_from_checkpoint: bool | str | None = None, stop_at_step: int | None = None) -> TrainOutput:
-        """Train to max_steps/num_train_epochs; ``stop_at_step`` ends early after a checkpoint.
+    def train(self, resume_from_checkpoint: bool | str | None = None, trial: Any = None,
+              ignore_keys_for_eval: list[str] | None = None, stop_at_step: int | None = None) -> TrainOutput:
+        """Train to max_steps/num_train_epochs, as ``transformers.Trainer.train``.
 
-        ``resume_from_checkpoint``: True resumes from the run's store (offload_dir or
-        <output_dir>/store); a path names the store folder to resume from.
+        ``resume_from_checkpoint``: True resumes from the last commit of the run's store
+        (``ValueError: No valid checkpoint found in output directory`` when there is none); a path
+        names a store folder (or a run folder holding ``store/``). ``stop_at_step`` ends early
+        after a checkpoint at that step (the schedule still spans the whole run).
         """
-        from tqdm.auto import tqdm
-
-        args = self.args
-        if isinstance(resume_from_checkpoint, (str, os.PathLike)) and self._store is None:
-            self._store = open_store(os.fspath(resume_from_checkpoint))
-        store = self.store
+        if trial is not None:
+            raise ValueError("train(trial=...) is refused: hyper-parameter search is not implemented")
+        cfg, args = self._cfg, self.args
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        if not has_length(self.train_dataset) and cfg.max_steps <= 0:
+            raise ValueError("the train_dataset has no length (an IterableDataset): set max_steps > 0")
+        apply_runtime_args(args)
+        self._drop_meta_hook()
         if resume_from_checkpoint:
+            self._open_for_resume(resume_from_checkpoint)
+            real = any(p.device.type != "meta" for p in self.model.parameters())
+            model_mod.to_meta_(self.model)
             self._check_weights()
-            start = self._load_state()
+            self.state = load_state(self.store)
         else:
-            torch.manual_seed(args.seed)
-            self._take_weights()
+            if getattr(args, "full_determinism", False):
+                from transformers import enable_full_determinism
+
+                enable_full_determinism(cfg.seed)
+            torch.manual_seed(cfg.seed)
+            real = self._take_weights()
             self._check_weights()
             self.state = TrainerState()
-            start = 0
-        n_items = len(self.train_dataset)
-        total = args.total_steps(steps_per_epoch(n_items, args.per_device_train_batch_size,
-                                                 args.gradient_accumulation_steps))
+        store = self.store
+        store.config.keep_last = cfg.save_total_limit or 1 << 30  # None keeps every checkpoint, as transformers
+        with self._lock:
+            save_hf_files(store, self.model, self.processing_class)
+        start = self.state.global_step
+        if has_length(self.train_dataset):
+            micro = micro_batches_per_epoch(len(self.train_dataset), cfg.per_device_train_batch_size,
+                                            cfg.dataloader_drop_last)
+            per_epoch = math.ceil(micro / cfg.gradient_accumulation_steps)
+            total = cfg.total_steps(per_epoch)
+            epochs = math.ceil(total / per_epoch)
+        else:
+            micro, per_epoch, total, epochs = cfg.max_steps * cfg.gradient_accumulation_steps, cfg.max_steps, cfg.max_steps, 1
+        st = self.state
+        st.max_steps, st.num_train_epochs, st.train_batch_size = total, epochs, cfg.per_device_train_batch_size
+        st.compute_steps(cfg, total)
         end = total if stop_at_step is None else min(total, stop_at_step)
+        try:
+            loss = self._loop(start, end, total, per_epoch, micro, ignore_keys_for_eval, stop_at_step is not None)
+        finally:
+            self._write_trace()
+        self._give_back_weights(real)
+        return loss
+
+    def _loop(self, start: int, end: int, total: int, per_epoch: int, micro_per_epoch: int,
+              ignore_keys: list[str] | None, stopping: bool) -> TrainOutput:
+        from tqdm.auto import tqdm
+
+        cfg, args, h, st = self._cfg, self.args, self.callback_handler, self.state
+        store = self.store
         groups = [names for _, names in self.parts.groups()]
         opt = StoreAdamW(store, groups, _no_decay_names(self.model), _session.optimizer_compression, self._lock)
-        worker = UpdateWorker(opt.update_group)
-        engine = StreamingEngine(self.parts, store, _device(), bf16=args.bf16, store_lock=self._lock,
-                                 before_fetch=worker.wait_group, window_bytes=store.stats().get("device_budget"))
-        clip = args.clip_norm
-        all_params = self.parts.all_params()
-        bar = tqdm(total=total, initial=start, disable=args.disable_tqdm, desc="train", dynamic_ncols=True)
-        window: list[tuple[float, float, float, float, int]] = []
-        last_loss = float("nan")
+        worker = self._worker = UpdateWorker(opt.update_group)
+        engine = self._engine = StreamingEngine(
+            self.parts, store, _device(cfg), bf16=cfg.bf16, store_lock=self._lock, before_fetch=worker.wait_group,
+            window_bytes=store.stats().get("device_budget"))
+        clip, all_params = cfg.clip_norm, self.parts.all_params()
+        bar = tqdm(total=total, initial=start, disable=cfg.disable_tqdm, desc="train", dynamic_ncols=True)
+        sized = has_length(self.train_dataset)
+        run = RunLog(start=start, t0=time.time())
+        self.control = h.on_train_begin(args, st, self.control)
+        if cfg.eval_on_start:
+            self._evaluate_during_train(ignore_keys)
+        epoch, epoch_first = None, start
         try:
-            batches = step_batches(self.train_dataset, args.per_device_train_batch_size,
-                                   args.gradient_accumulation_steps, args.seed, start, self.pad_token_id)
-            for step, _epoch, micro in batches:
+            batches = step_batches(self.train_dataset, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
+                                   cfg.sampler_seed, start, self.pad_token_id, self.data_collator,
+                                   cfg.dataloader_drop_last, cfg.train_sampling_strategy == "random")
+            for step, epoch_after, micro in batches:
                 if step >= end:
                     break
+                e = step // per_epoch if sized else int(epoch_after)
+                if e != epoch:
+                    if epoch is not None:
+                        self._end_epoch(run, ignore_keys)
+                    epoch, epoch_first = e, step
+                    self.control = h.on_epoch_begin(args, st, self.control)
                 t0 = time.perf_counter()
-                stall0 = float(store.stats().get("stall_s", 0.0))
-                upd0 = opt.busy_s
-                lr = learning_rate_at(args, step, total)
-                hyper = AdamWHyper(lr, args.adam_beta1, args.adam_beta2, args.adam_epsilon, args.weight_decay)
+                stall0, upd0 = float(store.stats().get("stall_s", 0.0)), opt.busy_s
+                lr = learning_rate_at(cfg, step, total)
+                hyper = AdamWHyper(lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay)
                 num_items = sum(count_loss_tokens(b["labels"]) for b in micro)
                 if num_items == 0:
                     raise ValueError(f"step {step + 1}: every label is -100; there is no loss to train on")
-                tokens = sum(int(b["attention_mask"].sum()) for b in micro)
+                self.control = h.on_step_begin(args, st, self.control)
                 norms: dict[str, torch.Tensor] = {}
-                loss_sum = 0.0
+                loss_sum, tokens = 0.0, 0
                 for j, batch in enumerate(micro):
-                    sink = _grad_sink(opt, worker, norms, step + 1, hyper, clip, j, j == len(micro) - 1)
+                    sink = grad_sink(opt, worker, norms, step + 1, hyper, clip, j, j == len(micro) - 1)
                     loss_sum += engine.forward_backward(batch, num_items, sink)
+                    tokens += int(batch["attention_mask"].sum())
+                    st.num_input_tokens_seen += (int(batch["input_ids"].numel()) if cfg.include_num_input_tokens_seen
+                                                 == "all" else int(batch["attention_mask"].sum()))
+                    if j < len(micro) - 1:
+                        self.control = h.on_substep_end(args, st, self.control)
                 grad_norm = float(torch.linalg.vector_norm(torch.stack([norms[n] for n in all_params]), 2.0))
+                self.control = h.on_pre_optimizer_step(args, st, self.control)
                 if clip is not None:
                     # torch.nn.utils.clip_grad_norm_'s coefficient, computed in fp32 as it does.
-                    total_norm = torch.tensor(grad_norm, dtype=torch.float32)
-                    coef = float(torch.clamp(clip / (total_norm + 1e-6), max=1.0))
+                    coef = float(torch.clamp(clip / (torch.tensor(grad_norm, dtype=torch.float32) + 1e-6), max=1.0))
                     for g in range(len(groups)):
                         worker.submit(g, step + 1, hyper, coef)
-                done = step + 1
-                last_loss = loss_sum / num_items
-                saving = (args.save_steps and done % args.save_steps == 0) or done == end
-                if saving:
-                    worker.wait_all()
+                self.control = h.on_optimizer_step(args, st, self.control)
+                run.add(loss_sum / num_items, cfg.logging_nan_inf_filter, step)
+                st.global_step = step + 1
+                st.epoch = (epoch_after if sized else
+                            epoch + (st.global_step - epoch_first) * cfg.gradient_accumulation_steps / micro_per_epoch)
+                self.control = h.on_step_end(args, st, self.control)
+                if stopping and st.global_step >= end:
+                    self.control.should_save = self.control.should_training_stop = True
                 step_s = time.perf_counter() - t0
-                stall = float(store.stats().get("stall_s", 0.0)) - stall0
-                window.append((last_loss, lr, grad_norm, stall, tokens))
-                self.state.global_step = done
-                if done % args.logging_steps == 0 or done == 1 or done == end:
-                    self._log(done, window, step_s, opt.busy_s - upd0)
-                    window = []
-                if saving:
-                    self._save_state(done)
-                    with self._lock:
-                        store.commit(step=done, message=f"trainer step {done}")
+                run.last = {"learning_rate": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / step_s if step_s > 0
+                            else math.inf, "stall_s": float(store.stats().get("stall_s", 0.0)) - stall0,
+                            "step_s": step_s, "optimizer_s": opt.busy_s - upd0}
+                self._trace_step(t0)
+                self._maybe_log_save_evaluate(run, ignore_keys)
+                empty_cache = getattr(args, "torch_empty_cache_steps", None)
+                if empty_cache and st.global_step % empty_cache == 0 and torch.cuda.is_available():
+                    torch.cuda.empty_cache()
                 bar.update(1)
-                bar.set_postfix(loss=f"{last_loss:.4f}", tok_s=f"{tokens / step_s:.0f}", stall=f"{stall:.2f}s")
+                bar.set_postfix(loss=f"{run.last_loss:.4f}", tok_s=f"{run.last['tokens_per_s']:.0f}")
+                if self.control.should_training_stop or self.control.should_epoch_stop:
+                    break
+            if epoch is not None:
+                self._end_epoch(run, ignore_keys)
         finally:
             bar.close()
             try:
                 worker.wait_all()
             finally:
                 worker.close()
-        return TrainOutput(self.state.global_step, last_loss, {"train_loss": last_loss})
+                self._worker = None
+        steps = st.global_step - start
+        train_loss = (run.total + run.window) / max(steps, 0.001)  # the run's mean step loss
+        runtime = time.time() - run.t0
+        metrics = {"train_runtime": round(runtime, 4),
+                   "train_samples_per_second": round(steps * cfg.per_device_train_batch_size
+                                                     * cfg.gradient_accumulation_steps / runtime, 3),
+                   "train_steps_per_second": round(steps / runtime, 3), "total_flos": float(st.total_flos),
+                   "train_loss": train_loss}
+        self.log(metrics)
+        self.control = h.on_train_end(args, st, self.control)
+        return TrainOutput(st.global_step, train_loss, metrics)
 
-    def _log(self, step: int, window: list[tuple[float, float, float, float, int]], step_s: float,
-             update_s: float) -> None:
-        n = len(window)
-        entry = {
-            "step": step,
-            "loss": sum(w[0] for w in window) / n,
-            "learning_rate": window[-1][1],
-            "grad_norm": window[-1][2],
-            "tokens_per_s": window[-1][4] / step_s if step_s > 0 else math.inf,
-            "stall_s": window[-1][3],
-            "step_s": step_s,
-            "optimizer_s": update_s,
-        }
-        self.state.log_history.append(entry)
+    def _end_epoch(self, run: RunLog, ignore_keys: list[str] | None) -> None:
+        self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
+        self._maybe_log_save_evaluate(run, ignore_keys)
 
-    # -- export ----------------------------------------------------------------------------
-    def save_model(self, output_dir: str | None = None, max_shard_bytes: int = 1 << 30) -> str:
-        """Write config.json + safetensors shards that AutoModelForCausalLM.from_pretrained loads."""
-        out = output_dir or self.args.output_dir
+    def _maybe_log_save_evaluate(self, run: RunLog, ignore_keys: list[str] | None) -> None:
+        """transformers' order: log the window, evaluate, then checkpoint, as the control flags ask."""
+        if self.control.should_log and self.state.global_step > run.last_logged:
+            self._log(run.window_logs(self.state.global_step))
+        if self.control.should_evaluate:
+            self._evaluate_during_train(ignore_keys)
+        if self.control.should_save:
+            self._checkpoint()
+
+    def _log(self, logs: dict[str, Any]) -> None:
+        """Log one training window (``loss`` is its mean step loss); tools.crash_train hooks this."""
+        self.log(logs)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Add epoch (and tokens seen) to ``logs``, append them to log_history, call on_log."""
+        if self.state.epoch is not None:
+            logs["epoch"] = self.state.epoch
+        if self._cfg.include_num_input_tokens_seen != "no":
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+    def _evaluate_during_train(self, ignore_keys: list[str] | None) -> None:
+        if isinstance(self.eval_dataset, dict):
+            for name, ds in self.eval_dataset.items():
+                self.evaluate(ds, ignore_keys, metric_key_prefix=f"eval_{name}")
+        else:
+            self.evaluate(ignore_keys=ignore_keys)
+
+    # -- evaluation ------------------------------------------------------------------------
+    def evaluate(self, eval_dataset: Any = None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """A forward-only streaming pass over the eval set: ``{prefix}_loss``, ``{prefix}_perplexity``, speed.
+
+        ``eval_loss`` is transformers' number: each batch's token-mean loss, weighted by its sequences.
+        """
+        ds = self.eval_dataset if eval_dataset is None else eval_dataset
+        if ds is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        if isinstance(ds, dict):
+            out: dict[str, float] = {}
+            for name, part in ds.items():
+                out.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return out
+        if eval_dataset is not None and self._cfg.remove_unused_columns:
+            ds = drop_unused_columns(ds, self.model)
+        real = False
+        if self._worker is None:  # not inside train(): the weights may still be in the model
+            self._drop_meta_hook()
+            if not set(self.parts.all_params()) <= set(self.store.keys()) or any(
+                    p.device.type != "meta" for p in self.model.parameters()):
+                real = self._take_weights()
+            self._check_weights()
+        engine = self._engine if self._worker is not None else StreamingEngine(
+            self.parts, self.store, _device(self._cfg), bf16=self._cfg.bf16, store_lock=self._lock,
+            window_bytes=self.store.stats().get("device_budget"))
+        t0 = time.time()
+        was_training = self.model.training
+        self.model.eval()
+        losses: list[tuple[float, int]] = []  # (batch's token-mean loss, sequences in the batch)
+        try:
+            for batch in eval_batches(ds, self._cfg.per_device_eval_batch_size, self.pad_token_id,
+                                      self.data_collator, self._cfg.dataloader_drop_last):
+                s, n = engine.loss(batch)
+                losses.append((s / n if n else math.nan, int(batch["input_ids"].shape[0])))
+                self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+        finally:
+            self.model.train(was_training)
+        n_batches, n_samples = len(losses), sum(b for _, b in losses)
+        if self._cfg.logging_nan_inf_filter and any(math.isfinite(x) for x, _ in losses):
+            losses = [(x, b) for x, b in losses if math.isfinite(x)]
+        if not losses:
+            raise ValueError("the eval_dataset yielded no batch")
+        # transformers repeats each batch's loss once per sequence (accelerate drops the padding of
+        # the last batch), so eval_loss is the sequence-weighted mean of the batch means
+        loss = sum(x * b for x, b in losses) / sum(b for _, b in losses)
+        runtime = time.time() - t0
+        metrics = {f"{metric_key_prefix}_loss": loss,
+                   f"{metric_key_prefix}_perplexity": math.exp(loss) if loss < 700 else math.inf,
+                   f"{metric_key_prefix}_runtime": round(runtime, 4),
+                   f"{metric_key_prefix}_samples_per_second": round(n_samples / runtime, 3),
+                   f"{metric_key_prefix}_steps_per_second": round(n_batches / runtime, 3)}
+        self.log(metrics)
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        if self._worker is None:
+            self._give_back_weights(real)
+        return metrics
+
+    # -- trace and export ------------------------------------------------------------------
+    def _trace_step(self, t0: float) -> None:
+        trace = getattr(self.store, "trace_span", None)
+        if trace is not None:
+            trace("step", "compute", t0, time.perf_counter(), step=self.state.global_step)
+
+    def _write_trace(self) -> None:
+        """``output_dir/trace.json``: the store's I/O spans and the steps, for ``tierstore trace``."""
+        if self._store is None:
+            return
+        os.makedirs(self._cfg.output_dir, exist_ok=True)
+        with open(os.path.join(self._cfg.output_dir, TRACE_NAME), "w") as f:
+            f.write(self._store.chrome_trace())
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False,
+                   max_shard_bytes: int = 1 << 30) -> str:
+        """Write config.json, safetensors shards (and the tokenizer) that from_pretrained loads."""
+        out = output_dir or self._cfg.output_dir
         os.makedirs(out, exist_ok=True)
         self.model.config.save_pretrained(out)
+        gen = getattr(self.model, "generation_config", None)
+        if gen is not None and hasattr(gen, "save_pretrained"):
+            gen.save_pretrained(out)
+        if self.processing_class is not None and hasattr(self.processing_class, "save_pretrained"):
+            self.processing_class.save_pretrained(out)
+        if any(p.device.type != "meta" for p in self.model.parameters()) and not self.store.keys(prefix=""):
+            self._take_weights()
         with self._lock:  # streamed from the store piece by piece, as ``tierstore export`` does
             infos = [self.store.info(name) for name in self.parts.all_params()]
-            write_safetensors(self.store, infos, out, max_shard_bytes, quiet=self.args.disable_tqdm)
+            write_safetensors(self.store, infos, out, max_shard_bytes, quiet=self._cfg.disable_tqdm)
         return out

@@ -1,17 +1,26 @@
 """Training arguments (transformers' field names) and the learning-rate schedules.
 
-``TrainingArguments`` is a light dataclass for users without transformers; ``from_hf_args`` reads
-the same fields from a ``transformers.TrainingArguments``. The schedule lambdas copy the formulas
-of ``transformers.optimization`` so that a run here follows the same learning-rate curve.
+``TrainingArguments`` is a light dataclass for users without transformers' own (which needs
+accelerate); ``from_hf_args`` reads a ``transformers.TrainingArguments`` field by field through
+``trainer.hf_args``, which honours, warns about or refuses every one of its fields by name. The
+light class has the fields, defaults and meaning of transformers' (5.x) for everything it holds,
+so transformers' own callbacks (``DefaultFlowCallback``, ``TensorBoardCallback``) read it as they
+read theirs. The schedule lambdas copy the formulas of ``transformers.optimization`` so that a
+run here follows the same learning-rate curve.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
+STRATEGIES = ("no", "steps", "epoch")
+SAMPLING = ("random", "sequential")
+TOKENS_SEEN = ("no", "all", "non_padding")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -46,14 +55,50 @@ class TrainingArguments:
     """Warm-up steps; a value in (0, 1) is a fraction of the total (transformers 5 semantics)."""
     warmup_ratio: float = 0.0
     """Warm-up as a fraction of the total steps, used when warmup_steps is 0."""
-    logging_steps: int = 500
-    """Log every this many steps (the first step is always logged)."""
-    save_steps: int = 500
-    """Commit a checkpoint to the store every this many steps; 0 turns periodic saves off."""
+    logging_strategy: str = "steps"
+    """When to log: "steps" (every logging_steps), "epoch" or "no"."""
+    logging_steps: float = 500
+    """Log every this many steps (a value < 1 is a fraction of the run)."""
+    logging_first_step: bool = False
+    """Also log the first step."""
+    logging_nan_inf_filter: bool = True
+    """A nan/inf step loss counts as the window's mean so far (transformers' filter)."""
+    include_num_input_tokens_seen: str | bool = "no"
+    """Log num_input_tokens_seen: "all" tokens of input_ids, "non_padding", or "no"."""
+    save_strategy: str = "steps"
+    """When to checkpoint (a store commit): "steps", "epoch" or "no"."""
+    save_steps: float = 500
+    """Commit a checkpoint every this many steps; 0 turns periodic saves off."""
+    save_total_limit: int | None = None
+    """Checkpoints (store commits) to keep; None keeps every one (the store's retention)."""
+    eval_strategy: str = "no"
+    """When to evaluate on eval_dataset: "steps" (every eval_steps), "epoch" or "no"."""
+    eval_steps: float | None = None
+    """Evaluate every this many steps; None means logging_steps (as transformers has it)."""
+    eval_delay: float = 0
+    """Steps (or epochs) to wait before the first evaluation."""
+    eval_on_start: bool = False
+    """Evaluate once before the first step."""
+    per_device_eval_batch_size: int = 8
+    """Sequences per evaluation batch."""
+    report_to: str | list[str] = "none"
+    """Integrations to report to ("tensorboard", "all", "none", ...); trainer_log.jsonl is always written."""
+    run_name: str | None = None
+    """A name for the run (shown by the reporting integrations)."""
     seed: int = 42
-    """Seed of the data order and of torch's RNG (dropout)."""
+    """Seed of torch's RNG (dropout) and, without data_seed, of the data order."""
+    data_seed: int | None = None
+    """Seed of the data order; None uses seed."""
+    train_sampling_strategy: str = "random"
+    """Item order: "random" (a seeded permutation per epoch) or "sequential"."""
+    dataloader_drop_last: bool = False
+    """Drop the last, incomplete batch of an epoch."""
+    remove_unused_columns: bool = True
+    """Drop datasets.Dataset columns the model's forward does not take (as transformers does)."""
     bf16: bool = False
     """Compute layers in bf16 (autocast); master weights and optimizer stay fp32."""
+    use_cpu: bool = False
+    """Compute on the CPU even where CUDA is available."""
     disable_tqdm: bool = False
     """Turn the progress bar off."""
 
@@ -80,10 +125,59 @@ class TrainingArguments:
             raise ValueError(f"lr_scheduler_type {self.lr_scheduler_type!r} is not one of {SCHEDULES}")
         if self.warmup_steps < 0 or not 0.0 <= self.warmup_ratio <= 1.0:
             raise ValueError("warmup_steps must be >= 0 and warmup_ratio in [0, 1]")
-        if self.logging_steps < 1:
-            raise ValueError(f"logging_steps must be >= 1, got {self.logging_steps}")
+        if self.logging_steps <= 0:
+            raise ValueError(f"logging_steps must be > 0, got {self.logging_steps}")
         if self.save_steps < 0:
             raise ValueError(f"save_steps must be >= 0, got {self.save_steps}")
+        for name in ("logging_strategy", "save_strategy", "eval_strategy"):
+            v = _enum_value(getattr(self, name))
+            if v not in STRATEGIES:
+                raise ValueError(f"{name} must be one of {STRATEGIES}, got {v!r}")
+            setattr(self, name, v)
+        if self.eval_steps is None and self.eval_strategy == "steps":
+            self.eval_steps = self.logging_steps  # transformers' default
+        if self.eval_steps is not None and self.eval_steps <= 0:
+            raise ValueError(f"eval_steps must be > 0, got {self.eval_steps}")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ValueError(f"save_total_limit must be >= 1 or None, got {self.save_total_limit}")
+        if self.per_device_eval_batch_size < 1:
+            raise ValueError(f"per_device_eval_batch_size must be >= 1, got {self.per_device_eval_batch_size}")
+        if self.train_sampling_strategy not in SAMPLING:
+            raise ValueError(f"train_sampling_strategy must be one of {SAMPLING}, got "
+                             f"{self.train_sampling_strategy!r} (length-grouped sampling is not supported)")
+        if self.include_num_input_tokens_seen is True:
+            self.include_num_input_tokens_seen = "all"
+        elif self.include_num_input_tokens_seen is False:
+            self.include_num_input_tokens_seen = "no"
+        if self.include_num_input_tokens_seen not in TOKENS_SEEN:
+            raise ValueError(f"include_num_input_tokens_seen must be one of {TOKENS_SEEN}, "
+                             f"got {self.include_num_input_tokens_seen!r}")
+        if isinstance(self.report_to, str):
+            self.report_to = [] if self.report_to in ("none", "") else [self.report_to]
+        self.report_to = list(self.report_to)
+
+    @property
+    def eval_batch_size(self) -> int:
+        """Sequences per evaluation batch (transformers' property name)."""
+        return self.per_device_eval_batch_size
+
+    @property
+    def train_batch_size(self) -> int:
+        """Sequences per training micro-batch (transformers' property name)."""
+        return self.per_device_train_batch_size
+
+    @property
+    def sampler_seed(self) -> int:
+        """The seed of the data order: data_seed, else seed."""
+        return self.seed if self.data_seed is None else self.data_seed
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a plain dict."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def to_json_string(self) -> str:
+        """The fields as JSON (what transformers' TensorBoardCallback logs as text)."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @property
     def clip_norm(self) -> float | None:
@@ -105,20 +199,20 @@ class TrainingArguments:
         return math.ceil(self.num_train_epochs * steps_per_epoch)
 
 
+def _enum_value(v: Any) -> Any:
+    return getattr(v, "value", v)
+
+
 def from_hf_args(hf_args: Any) -> TrainingArguments:
-    """The light arguments with the values of a ``transformers.TrainingArguments``."""
+    """The light arguments with the values of a ``transformers.TrainingArguments``.
+
+    Every field is honoured, warned about or refused by name (``trainer.hf_args.POLICY``).
+    """
     if isinstance(hf_args, TrainingArguments):
         return hf_args
-    values: dict[str, Any] = {}
-    for f in fields(TrainingArguments):
-        if hasattr(hf_args, f.name):
-            values[f.name] = getattr(hf_args, f.name)
-    sched = values.get("lr_scheduler_type")
-    if sched is not None and not isinstance(sched, str):
-        values["lr_scheduler_type"] = getattr(sched, "value", str(sched))
-    if getattr(hf_args, "fp16", False):
-        raise ValueError("fp16 is not supported by this trainer: use bf16=True or fp32")
-    return TrainingArguments(**values)
+    from trainer.hf_args import convert
+
+    return convert(hf_args)
 
 
 def lr_lambda(kind: str, step: int, warmup: int, total: int, num_cycles: float = 0.5) -> float:

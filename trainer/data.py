@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,36 +129,153 @@ def collate(items: Sequence[dict[str, Any]], pad_token_id: int = 0) -> dict[str,
 
 
 def epoch_order(num_items: int, seed: int, epoch: int) -> list[int]:
-    """The item order of one epoch: a permutation seeded by (seed, epoch), same on every run."""
+    """The item order of one epoch: accelerate's seedable sampler (randperm seeded by seed + epoch).
+
+    transformers' Trainer shuffles with exactly this permutation (``use_seedable_sampler`` is on
+    by default), so a run here sees the items in the order a run there does.
+    """
     g = torch.Generator()
-    g.manual_seed(seed * 1_000_003 + epoch)
+    g.manual_seed(seed + epoch)
     return torch.randperm(num_items, generator=g).tolist()
 
 
-def steps_per_epoch(num_items: int, batch_size: int, grad_accum: int) -> int:
-    """Optimizer steps in one epoch (a last partial batch is dropped; partial accumulations count)."""
-    micro = num_items // batch_size
+def has_length(dataset: Any) -> bool:
+    """Whether ``len(dataset)`` works (an IterableDataset has none)."""
+    try:
+        len(dataset)
+    except (TypeError, NotImplementedError):
+        return False
+    return True
+
+
+def micro_batches_per_epoch(num_items: int, batch_size: int, drop_last: bool = True) -> int:
+    """Micro-batches in one epoch; the last, partial one counts unless ``drop_last``."""
+    micro = num_items // batch_size if drop_last else math.ceil(num_items / batch_size)
     if micro == 0:
         raise ValueError(f"dataset has {num_items} items, fewer than one batch of {batch_size}")
-    return math.ceil(micro / grad_accum)
+    return micro
+
+
+def steps_per_epoch(num_items: int, batch_size: int, grad_accum: int, drop_last: bool = True) -> int:
+    """Optimizer steps in one epoch (partial accumulations count)."""
+    return math.ceil(micro_batches_per_epoch(num_items, batch_size, drop_last) / grad_accum)
+
+
+Collator = Callable[[list[Any]], dict[str, Any]]
+
+
+def complete_batch(batch: Any, pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """A collator's batch with attention_mask and labels filled in where it left them out."""
+    if not hasattr(batch, "keys") or "input_ids" not in batch:
+        raise TypeError(f"the data collator must return a mapping with 'input_ids', got {type(batch).__name__}")
+    out = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    ids = out["input_ids"].to(torch.long)
+    out["input_ids"] = ids
+    if out.get("attention_mask") is None:
+        out["attention_mask"] = torch.ones_like(ids)
+    if out.get("labels") is None:
+        out["labels"] = ids.masked_fill(out["attention_mask"] == 0, IGNORE_INDEX)
+    return {k: out[k] for k in ("input_ids", "attention_mask", "labels")}
+
+
+def _collate_fn(collator: Collator | None, pad_token_id: int) -> Callable[[list[Any]], dict[str, torch.Tensor]]:
+    if collator is None:
+        return lambda items: collate(items, pad_token_id)
+    return lambda items: complete_batch(collator(items), pad_token_id)
+
+
+def _take(dataset: Any, idx: list[int]) -> list[Any]:
+    many = getattr(dataset, "__getitems__", None)  # datasets.Dataset reads a batch at once
+    return list(many(idx)) if many is not None else [dataset[i] for i in idx]
 
 
 def step_batches(
-    dataset: Any, batch_size: int, grad_accum: int, seed: int, start_step: int = 0, pad_token_id: int = 0
-) -> Iterator[tuple[int, int, list[dict[str, torch.Tensor]]]]:
-    """Yield (step, epoch, micro-batches) forever from ``start_step`` in the deterministic order."""
+    dataset: Any, batch_size: int, grad_accum: int, seed: int, start_step: int = 0, pad_token_id: int = 0,
+    collator: Collator | None = None, drop_last: bool = True, shuffle: bool = True,
+) -> Iterator[tuple[int, float, list[dict[str, torch.Tensor]]]]:
+    """Yield (step, epoch after the step, micro-batches) forever from ``start_step``, deterministically.
+
+    ``epoch`` is transformers' fractional ``state.epoch``: epochs done plus the share of this
+    epoch's micro-batches consumed. An iterable dataset (no ``len``) is read in its own order and
+    restarted when it runs out (its ``set_epoch`` is called, as transformers does).
+    """
+    fn = _collate_fn(collator, pad_token_id)
+    if not has_length(dataset):
+        yield from _iterable_batches(dataset, batch_size, grad_accum, start_step, fn, drop_last)
+        return
     n = len(dataset)
-    per_epoch = steps_per_epoch(n, batch_size, grad_accum)
-    micro_per_epoch = n // batch_size
+    micro_per_epoch = micro_batches_per_epoch(n, batch_size, drop_last)
+    per_epoch = math.ceil(micro_per_epoch / grad_accum)
     step = start_step
     while True:
         epoch, k = divmod(step, per_epoch)
-        order = epoch_order(n, seed, epoch)
+        order = epoch_order(n, seed, epoch) if shuffle else list(range(n))
         first = k * grad_accum
         last = min(first + grad_accum, micro_per_epoch)
-        micro = []
-        for j in range(first, last):
-            idx = order[j * batch_size : (j + 1) * batch_size]
-            micro.append(collate([dataset[i] for i in idx], pad_token_id))
-        yield step, epoch, micro
+        micro = [fn(_take(dataset, order[j * batch_size: (j + 1) * batch_size])) for j in range(first, last)]
+        yield step, epoch + last / micro_per_epoch, micro
         step += 1
+
+
+def _iterable_batches(dataset: Any, batch_size: int, grad_accum: int, start_step: int,
+                      fn: Callable[[list[Any]], dict[str, torch.Tensor]], drop_last: bool,
+                      ) -> Iterator[tuple[int, float, list[dict[str, torch.Tensor]]]]:
+    epoch, step, seen = 0, 0, 0
+    skip = start_step * grad_accum  # micro-batches a resumed run has already trained on
+    while True:
+        if hasattr(dataset, "set_epoch"):
+            dataset.set_epoch(epoch)
+        it = iter(dataset)
+        micro: list[dict[str, torch.Tensor]] = []
+        got_any = False
+        while True:
+            items = [x for _, x in zip(range(batch_size), it, strict=False)]
+            if not items or (drop_last and len(items) < batch_size):
+                break
+            got_any = True
+            seen += 1
+            if seen <= skip:
+                continue
+            micro.append(fn(items))
+            if len(micro) == grad_accum:
+                step += 1
+                yield start_step + step - 1, float(epoch), micro
+                micro = []
+        if micro:
+            step += 1
+            yield start_step + step - 1, float(epoch), micro
+        if not got_any:
+            raise ValueError(f"the iterable dataset yielded no batch of {batch_size} items")
+        epoch += 1
+
+
+def eval_batches(dataset: Any, batch_size: int, pad_token_id: int = 0, collator: Collator | None = None,
+                 drop_last: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+    """Batches of the evaluation set in its order (transformers' sequential eval sampler)."""
+    fn = _collate_fn(collator, pad_token_id)
+    if not has_length(dataset):
+        it = iter(dataset)
+        while True:
+            items = [x for _, x in zip(range(batch_size), it, strict=False)]
+            if not items or (drop_last and len(items) < batch_size):
+                return
+            yield fn(items)
+    n = len(dataset)
+    stop = (n // batch_size) * batch_size if drop_last else n
+    for start in range(0, stop, batch_size):
+        yield fn(_take(dataset, list(range(start, min(start + batch_size, n)))))
+
+
+def drop_unused_columns(dataset: Any, model: Any) -> Any:
+    """A datasets.Dataset without the columns ``model.forward`` does not take (transformers' rule)."""
+    import inspect
+
+    names = getattr(dataset, "column_names", None)
+    remove = getattr(dataset, "remove_columns", None)
+    if not isinstance(names, list) or remove is None:
+        return dataset
+    accepted = set(inspect.signature(model.forward).parameters) | {"label", "label_ids", "labels"}
+    unused = [c for c in names if c not in accepted]
+    if unused and len(unused) == len(names):
+        raise ValueError(f"no column of the dataset ({names}) is an input of {type(model).__name__}.forward")
+    return remove(unused) if unused else dataset

@@ -55,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tr.close()
     print(f"model: {n_params / 1e6:.2f}M parameters, {_mib(weights)} of fp32 weights, {_mib(state)} of training state")
     print(f"budgets: device window {_mib(vram)}, RAM {_mib(ram)}")
-    for e in tr.state.log_history:
+    for e in (e for e in tr.state.log_history if "loss" in e):
         print(f"step {e['step']:4d}  loss {e['loss']:.4f}  lr {e['learning_rate']:.2e}  grad_norm {e['grad_norm']:.3f}"
               f"  {e['tokens_per_s']:.0f} tok/s  stall {e['stall_s']:.3f}s")
     print("where the bytes went:")

@@ -109,8 +109,28 @@ def _is_norm(mod: nn.Module) -> bool:
     return isinstance(mod, nn.LayerNorm) or "norm" in type(mod).__name__.lower()
 
 
+def check_causal_lm(model: nn.Module) -> None:
+    """Refuse a transformers model that is not a decoder-only causal LM (BERT, T5, ...), saying so."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type is None:
+        return  # not a transformers model: decompose judges its structure
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    causal = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ((v,) if isinstance(v, str) else v)}
+    encoder = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False)
+    if getattr(config, "is_encoder_decoder", False) or encoder or type(model).__name__ not in causal:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} ({model_type}) is not supported: only decoder-only causal LMs "
+            "(AutoModelForCausalLM of the Llama, Qwen2, Mistral, GPT-2 families and alike) are supported")
+
+
 def decompose(model: nn.Module) -> ModelParts:
     """Find body, layers, final norm, head and tied embeddings of a causal LM by its structure."""
+    check_causal_lm(model)
     missing = []
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -188,6 +208,34 @@ def to_meta_(model: nn.Module) -> None:
             if id(p) not in seen:
                 seen[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
             mod._parameters[name] = seen[id(p)]
+
+
+def bind_weights_(model: nn.Module, get: Any) -> None:
+    """Give every meta parameter real weights ``get(name)`` (ties kept): the inverse of ``to_meta_``."""
+    names = {}
+    for name, p in model.named_parameters():
+        names.setdefault(id(p), name)
+    made: dict[int, nn.Parameter] = {}
+    with torch.no_grad():
+        for mod in model.modules():
+            for local, p in list(mod._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(get(names[id(p)]).to(torch.float32).contiguous(),
+                                               requires_grad=p.requires_grad)
+                mod._parameters[local] = made[id(p)]
+
+
+def guard_meta(model: nn.Module, where: str) -> Any:
+    """A forward pre-hook that makes calling a meta skeleton say where its weights are; returns its handle."""
+
+    def refuse(_mod: nn.Module, _args: Any) -> None:
+        raise RuntimeError(f"this model is a meta-device skeleton: its weights live in the store at {where}. "
+                           "Use trainer.save_model(DIR) and AutoModelForCausalLM.from_pretrained(DIR), "
+                           "trainer.evaluate(), or `tierstore export STORE DIR --format hf`")
+
+    return model.register_forward_pre_hook(refuse)
 
 
 def read_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -255,6 +255,28 @@ class StreamingEngine:
         sink(0, pre)
         return float(loss_sum.detach())
 
+    def loss(self, batch: dict[str, torch.Tensor]) -> tuple[float, int]:
+        """Forward only (no autograd, nothing kept): the summed token loss and its token count."""
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        n_layers = len(self.parts.layers)
+        with torch.no_grad():
+            w, held = self._fetch(0, grad=False)
+            self._prefetch(1, 0)
+            cap = self._prelude(w, batch)
+            del w, held
+            h = cap.args[0]
+            cap.args = (None, *cap.args[1:])
+            for i in range(n_layers):
+                w, held = self._fetch(i + 1, grad=False)
+                self._prefetch(i + 2, i + 1)
+                h = self._layer(i, w, h, cap)
+                del w, held
+            w, held = self._fetch(n_layers + 1, grad=False)
+            self._prefetch(0, n_layers + 1)  # the next batch starts at the prelude again
+            loss_sum = causal_lm_loss_sum(self._head(w, h), batch["labels"])
+            del w, held
+        return float(loss_sum), count_loss_tokens(batch["labels"])
+
     @staticmethod
     def _host_grads(w: dict[str, torch.Tensor], grads: tuple[torch.Tensor | None, ...]) -> dict[str, torch.Tensor]:
         # Gradients leave the device at once, as fp32 on the host.

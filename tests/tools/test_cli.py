@@ -127,7 +127,7 @@ def test_train_maps_flags_to_training_arguments(cli, monkeypatch, tmp_path) -> N
     assert code == 0, err
     assert seen["args"] == {"output_dir": str(tmp_path / "o"), "max_steps": 2, "learning_rate": 0.001,
                             "gradient_accumulation_steps": 4}
-    assert seen["init"] == {"max_ram_gb": 1.0}
+    assert seen["init"] == {"max_ram_gb": 1.0, "offload_dir": str(tmp_path / "o" / "store")}  # the store in D
     assert len(seen["dataset"]) == 5 and seen["dataset"][1]["input_ids"].tolist() == list(range(8, 16))
     assert "trained 2 steps" in out
 
