@@ -1,0 +1,112 @@
+"""Staging pool: a fixed set of recycled host buffers, counted in the RAM budget, gated by events."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import tierstore
+from tierstore.errors import BudgetError
+from tierstore.tiers.device import DeviceWindow
+from tierstore.tiers.host import HostTier
+from tierstore.tiers.staging import StagingPool, staging_plan
+
+
+class FakeEvent:
+    """A CUDA event stand-in: done once ``synchronize`` ran or ``done`` was set."""
+
+    def __init__(self, done: bool = False) -> None:
+        self.done = done
+        self.synced = 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.synced += 1
+        self.done = True
+
+
+def test_pool_recycles_a_fixed_set_of_buffers() -> None:
+    pool = StagingPool(4096, 3)
+    ptrs = {b.data_ptr() for b in pool._bufs}
+    seen = set()
+    for _ in range(20):
+        bufs = [pool.acquire() for _ in range(3)]
+        seen |= {b.data_ptr() for b in bufs}
+        for b in bufs:
+            pool.release(b)
+    assert seen == ptrs and pool.acquired == 60 and pool.count == 3
+    assert not pool.pinned  # no CUDA here: plain pageable buffers
+
+
+def test_pool_counts_in_the_ram_budget_and_gives_back_on_close() -> None:
+    host = HostTier(budget=10 * 4096)
+    pool = StagingPool(4096, 4, host=host)
+    assert host.used == pool.nbytes == 4 * 4096
+    assert host.try_alloc(7 * 4096) is None  # the pool's bytes leave only 6 buffers' room
+    fresh = host.fresh_buffers
+    for _ in range(10):
+        pool.release(pool.acquire())
+    assert host.fresh_buffers == fresh  # recycling allocates nothing
+    pool.close()
+    assert host.used == 0
+    with pytest.raises(BudgetError, match="closed"):
+        pool.acquire()
+
+
+def test_pool_takes_what_the_budget_allows_and_refuses_nothing() -> None:
+    assert StagingPool(4096, 8, host=HostTier(budget=3 * 4096)).count == 3
+    with pytest.raises(BudgetError, match="no room"):
+        StagingPool(4096, 2, host=HostTier(budget=100))
+    with pytest.raises(BudgetError, match="buffer_bytes > 0"):
+        StagingPool(0, 2)
+
+
+def test_plan_is_sized_by_the_budgets() -> None:
+    assert staging_plan(None, None) == (64 << 20, 4)
+    size, n = staging_plan(1 << 30, None)  # 1 GiB RAM: at most 1/16 of it staged
+    assert size * n <= (1 << 30) // 16 and size % 4096 == 0
+    assert staging_plan(1 << 40, 8 << 20)[0] == 2 << 20  # a quarter of a small device window
+    pool = StagingPool.from_host_tier(HostTier(budget=256 << 20))
+    assert pool.nbytes <= (256 << 20) // 16
+
+
+def test_released_buffer_waits_for_its_event() -> None:
+    pool = StagingPool(4096, 1)
+    buf = pool.acquire()
+    ev = FakeEvent()
+    pool.release(buf, after=ev)
+    assert pool.acquire() is buf  # the only buffer: the host waits for the copy's event
+    assert ev.synced == 1 and pool.waits == 1
+    pool.release(buf, after=FakeEvent(done=True))
+    assert pool.acquire() is buf and pool.waits == 1  # a completed event: no wait
+
+
+def test_acquire_blocks_until_a_peer_releases() -> None:
+    pool = StagingPool(4096, 1)
+    buf = pool.acquire()
+    timer = threading.Timer(0.05, pool.release, args=(buf,))
+    timer.start()
+    assert pool.acquire(timeout=10) is buf
+    with pytest.raises(BudgetError, match="within"):
+        pool.acquire(timeout=0.01)
+    with pytest.raises(BudgetError, match="in pieces"):
+        pool.acquire(nbytes=8192)
+
+
+def test_window_on_cpu_stages_nothing() -> None:
+    win = DeviceWindow(torch.device("cpu"), None)
+    win.attach_staging(HostTier(budget=1 << 20))
+    assert win.staging is None
+    x = torch.randn(5, 7)
+    assert torch.equal(win.to_host(x), x)
+
+
+def test_cpu_store_reserves_no_staging(tmp_path) -> None:
+    with tierstore.open(tmp_path, ram_budget="8MiB") as s:
+        assert s.stats()["host_bytes"] == 0
+        s.put("x", torch.randn(64, 64))
+        torch.testing.assert_close(s.get("x", device="cpu"), s.get("x"))
