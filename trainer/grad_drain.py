@@ -1,0 +1,162 @@
+"""Gradients leave the GPU as each layer's backward ends, without making the host wait for it.
+
+The streaming engine used to call ``grad.to("cpu")`` after each layer's backward: a synchronous
+copy from device memory into fresh pageable memory, so the host stopped queueing the next layer's
+kernels until the GPU had finished this one, and then copied at pageable speed. ``GradDrain``
+instead records an event on the compute stream, has its own D2H stream wait on it and copy the
+gradients into pinned staging buffers (``tierstore.tiers.staging.StagingPool``), and returns at
+once. A named drain thread waits on each copy's event, moves the bytes into the fp32 host tensors
+the sink keeps (the staging buffer goes straight back to the pool) and calls the sink, in the order
+the groups were submitted. ``flush`` waits for every submitted group and re-raises a sink error.
+
+Without CUDA (or with ``threaded=False``) ``submit`` is the old synchronous path: the same
+tensors reach the sink in the same order, so the numbers never depend on the drain.
+Threads: the caller's thread owns the D2H stream and submits; the drain thread only waits on
+events, copies host memory and runs the sink (which takes the trainer's store lock itself).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tierstore.tiers.staging import StagingPool
+
+Sink = Callable[[int, dict[str, torch.Tensor]], None]
+
+# one item: (group, sink, [(name, shape, dtype, payload)]) where payload is either a finished host
+# tensor or (staging buffer, nbytes, event) still being filled by the D2H stream
+_Item = tuple[int, Sink, list[tuple[str, torch.Size, torch.dtype, Any]]]
+
+
+def host_fp32(t: torch.Tensor) -> torch.Tensor:
+    """A host fp32 copy of a gradient (the synchronous path)."""
+    return t.detach().to("cpu", torch.float32)
+
+
+class GradDrain:
+    """Moves each group's gradients to fp32 host tensors and hands them to a sink, in order."""
+
+    def __init__(self, device: torch.device, pool: StagingPool | None = None, threaded: bool | None = None) -> None:
+        self.device = device
+        cuda = device.type == "cuda" and torch.cuda.is_available()
+        self.threaded = cuda if threaded is None else threaded
+        self._stream = torch.cuda.Stream(device) if cuda else None
+        self.pool = pool
+        self._q: queue.Queue[_Item | None] = queue.Queue()
+        self._pending = 0
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self.staged_bytes = 0
+        """Bytes copied down through the staging pool (the rest took the direct path)."""
+        self._thread: threading.Thread | None = None
+        if self.threaded:
+            self._thread = threading.Thread(target=self._loop, name="trainer-grad-drain", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def for_groups(cls, device: torch.device, group_bytes: list[int],
+                   largest_tensor: int, threaded: bool | None = None) -> GradDrain:
+        """A drain whose pool holds about two layer groups of fp32 gradients (pinned with CUDA).
+
+        The embedding and head gradients are larger than one buffer and go down directly.
+        """
+        cuda = device.type == "cuda" and torch.cuda.is_available()
+        pool = None
+        if cuda:
+            layers = group_bytes[1:-1] or group_bytes
+            buf = max(4096, min(largest_tensor, 256 << 20))
+            count = max(2, -(-2 * max(layers) // buf))
+            pool = StagingPool(buf, count, pin=True)
+        return cls(device, pool, threaded)
+
+    def submit(self, g: int, grads: dict[str, torch.Tensor], sink: Sink) -> None:
+        """Start moving group ``g``'s gradients down; ``sink(g, host_fp32_grads)`` runs later."""
+        self._raise()
+        if not self.threaded:
+            sink(g, {n: host_fp32(t) for n, t in grads.items()})
+            return
+        items: list[tuple[str, torch.Size, torch.dtype, Any]] = []
+        stream = self._stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        for name, t in grads.items():
+            items.append((name, t.shape, t.dtype, self._start_copy(t)))
+        with self._cond:
+            self._pending += 1
+        self._q.put((g, sink, items))
+
+    def _start_copy(self, t: torch.Tensor) -> Any:
+        nbytes = t.numel() * t.element_size()
+        if self._stream is None or t.device.type != "cuda" or self.pool is None or nbytes > self.pool.buffer_bytes \
+                or nbytes == 0:
+            return host_fp32(t)  # on the CPU: already a host tensor; on CUDA: too big to stage
+        buf = self.pool.acquire()
+        with torch.cuda.stream(self._stream):
+            buf[:nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        t.record_stream(self._stream)  # the gradient's memory is not reused before the copy ends
+        self.staged_bytes += nbytes
+        return (buf, nbytes, event)
+
+    def _finish(self, shape: torch.Size, dtype: torch.dtype, payload: Any) -> torch.Tensor:
+        if isinstance(payload, torch.Tensor):
+            return payload
+        buf, nbytes, event = payload
+        event.synchronize()  # this copy only: the GPU keeps running the next layer
+        out = torch.empty(shape, dtype=torch.float32)
+        try:
+            src = buf[:nbytes].view(dtype).reshape(shape)
+            out.copy_(src)  # the fp32 host tensor the sink keeps; converts a bf16 gradient too
+        finally:
+            assert self.pool is not None
+            self.pool.release(buf)
+        return out
+
+    def _loop(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            g, sink, items = item
+            try:
+                grads = {name: self._finish(shape, dtype, p) for name, shape, dtype, p in items}
+                if self._error is None:
+                    sink(g, grads)
+            except BaseException as e:  # handed to the training thread at its next call
+                if self._error is None:
+                    self._error = e
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("the gradient drain failed") from err
+
+    def flush(self) -> None:
+        """Wait until every submitted group has reached its sink; re-raise a sink's error."""
+        with self._cond:
+            while self._pending:
+                self._cond.wait()
+        self._raise()
+
+    def close(self) -> None:
+        """Finish queued work, stop the thread and free the pool (an unreported error is dropped)."""
+        if self._thread is not None:
+            with self._cond:
+                while self._pending:
+                    self._cond.wait()
+            self._q.put(None)
+            self._thread.join()
+            self._thread = None
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
