@@ -221,6 +221,7 @@ def stage_plain_1b(device: torch.device, sizes: dict[str, Any], work: str, repor
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config).float()  # fp32 master weights, as the trainer keeps
+    model.to(device)  # in case from_config ignored the default device
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=device.type == "cuda")
     fpt = flops_per_token(config, seq, recompute=False)
@@ -244,8 +245,13 @@ def stage_plain_1b(device: torch.device, sizes: dict[str, Any], work: str, repor
     return out
 
 
+STORE_STATS = ("peak_host_bytes", "peak_device_bytes", "bytes_h2d", "bytes_d2h", "bytes_written_disk",
+               "bytes_read_disk", "stall_s")
+
+
 def _stream(device: torch.device, name: str, batch: int, seq: int, steps: int, vram: int | None, ram: int,
-            compression: bool | str, work: str, report: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+            compression: bool | str, work: str, report: Callable[[dict[str, Any]], None],
+            sizes_fast_exit: bool = False) -> dict[str, Any]:
     """The streaming trainer on a Llama-style model with random weights put straight into its store."""
     import trainer as mt
     from trainer import model as model_mod
@@ -296,6 +302,14 @@ def _stream(device: torch.device, name: str, batch: int, seq: int, steps: int, v
         def _log(self, *a: Any, **k: Any) -> None:  # the trainer's per-step log: report as we go
             super()._log(*a, **k)
             on_log(self.state.log_history)
+            if sizes_fast_exit and len(self.state.log_history) >= steps + 1:
+                # the figures are in; the final checkpoint (an fsync of every weight and moment,
+                # tens of GB at 7B) is not what this stage measures: skip it, device time is short
+                st = self.store.stats()
+                out["store"] = {k: st.get(k) for k in STORE_STATS}
+                out["exit"] = "after the last step, without the final commit"
+                report(out)
+                os._exit(0)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -304,8 +318,7 @@ def _stream(device: torch.device, name: str, batch: int, seq: int, steps: int, v
         tr.train()
         on_log(tr.state.log_history)
         st = tr.store.stats()
-        out["store"] = {k: st.get(k) for k in ("peak_host_bytes", "peak_device_bytes", "bytes_h2d", "bytes_d2h",
-                                               "bytes_written_disk", "bytes_read_disk", "stall_s")}
+        out["store"] = {k: st.get(k) for k in STORE_STATS}
     finally:
         tr.close()
     out.update(_memory(device))
@@ -316,7 +329,7 @@ def _stream(device: torch.device, name: str, batch: int, seq: int, steps: int, v
 def stage_stream_1b(device: torch.device, sizes: dict[str, Any], work: str, report: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """The streaming trainer at 1B, the whole model fitting the window (vs plain_1b)."""
     return _stream(device, sizes["model_1b"], sizes["batch"], sizes["seq"], sizes["steps"], None, sizes["ram_1b"],
-                   False, work, report)
+                   False, work, report, bool(sizes.get("fast_exit")))
 
 
 def stage_stream_7b(device: torch.device, sizes: dict[str, Any], work: str, report: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -326,7 +339,7 @@ def stage_stream_7b(device: torch.device, sizes: dict[str, Any], work: str, repo
         cfg = llama_config(sizes["model_7b"], sizes["seq_7b"])
         vram = 4 * n_params(cfg) // 2
     return _stream(device, sizes["model_7b"], sizes["batch_7b"], sizes["seq_7b"], sizes["steps_7b"], vram,
-                   sizes["ram_7b"], True, work, report)
+                   sizes["ram_7b"], True, work, report, bool(sizes.get("fast_exit")))
 
 
 def stage_hang(device: torch.device, sizes: dict[str, Any], work: str, report: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -443,6 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if k not in sizes:
             p.error(f"--set {kv}: unknown size {k!r}; known: {', '.join(sizes)}")
         sizes[k] = None if v.lower() == "none" else (v if k.startswith("model") else int(v))
+    sizes["fast_exit"] = int(not a.inline)  # a stage process may end without the final commit
     os.makedirs(a.out, exist_ok=True)
     work = a.work or tempfile.mkdtemp(prefix="gpu-bench-")
     os.makedirs(work, exist_ok=True)

@@ -25,9 +25,14 @@ if [ "$DEVICE" = cuda ]; then
     if "$PY" -c "import typing_extensions" 2>/dev/null; then
       wheels=("${wheels[@]/*typing_extensions*/}")
     fi
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site ${wheels[@]}
-    echo "pip install rc=$?"
+    if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site ${wheels[@]}; then
+      echo "pip install ok"
+    else  # no pip there: a wheel is a zip archive laid out for site-packages
+      echo "pip install failed: unzipping the wheels into /tmp/site"
+      mkdir -p /tmp/site
+      for w in ${wheels[@]}; do "$PY" -m zipfile -e "$w" /tmp/site; done
+    fi
   } > "$OUT/install.log" 2>&1
   export PYTHONPATH=/tmp/site:$PWD
 else
