@@ -46,7 +46,7 @@ fi
 # -p no:cacheprovider: the checkout may be read-only; the asyncio option is unknown there.
 timeout "$TESTS_TIMEOUT_S" "$PY" -m pytest -q -p no:cacheprovider -W ignore::pytest.PytestConfigWarning \
   tests/tierstore/test_cuda.py tests/tierstore/test_staging.py tests/trainer/test_grad_drain.py \
-  tests/trainer/test_bf16_master.py > "$OUT/cuda_tests.txt" 2>&1
+  tests/trainer/test_bf16_master.py tests/trainer/test_cuda_train.py > "$OUT/cuda_tests.txt" 2>&1
 echo "pytest rc=$? after $(( $(date +%s) - start )) s" >> "$OUT/cuda_tests.txt"
 
 # Whatever the tests took, the benchmark ends by the 8-minute mark (each stage time-boxed).
