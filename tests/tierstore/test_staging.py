@@ -110,3 +110,37 @@ def test_cpu_store_reserves_no_staging(tmp_path) -> None:
         assert s.stats()["host_bytes"] == 0
         s.put("x", torch.randn(64, 64))
         torch.testing.assert_close(s.get("x", device="cpu"), s.get("x"))
+
+
+def test_try_acquire_never_blocks() -> None:
+    pool = StagingPool(4096, 1)
+    buf = pool.acquire()
+    assert pool.try_acquire() is None and pool.waits == 1
+    ev = FakeEvent()
+    pool.release(buf, after=ev)
+    assert pool.try_acquire() is buf and ev.synced == 1  # a queued copy ends without peers
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd", "q8"])
+def test_staged_device_reads_equal_plain_reads(tmp_path, codec) -> None:
+    # The CUDA read path (RAM tier -> staging buffers -> window) on a CPU window with a pool.
+    with tierstore.open(tmp_path, ram_budget="16MiB", device_budget="4MiB", chunk_bytes="64KiB") as s:
+        a = s.async_store
+        a._window.attach_staging(a._host, on_cpu=True)
+        assert a._window.staging is not None and a._window.staging.buffer_bytes >= 1 << 20
+        a._window.staging.close()
+        pool = a._window.staging = StagingPool(48 * 4096, 3, host=a._host)  # pieces across chunks
+        xs = {"odd": torch.randn(317, 411), "bf16": torch.randn(100, 999).to(torch.bfloat16),
+              "scalar": torch.tensor(3.5), "ints": torch.arange(70_001, dtype=torch.int64)}
+        for k, x in xs.items():
+            s.put(k, x, codec=codec if x.dtype == torch.float32 else "raw")
+        s.commit()
+        for k in xs:
+            before = pool.acquired
+            want = s.get(k)  # the host read: the reference
+            got = s.get(k, device="cpu")  # a window load: through the staging buffers
+            assert torch.equal(got, want) and got.dtype == want.dtype and got.shape == want.shape, k
+            assert pool.acquired > before and a._window.lookup(a._record(k).generation) is got
+        s.prefetch(["odd"], to="device", wait=True)
+        assert s.stats()["bytes_h2d"] >= sum(x.numel() * x.element_size() for x in xs.values())
+        assert s.stats()["host_bytes"] >= pool.nbytes  # the pool is in the RAM budget

@@ -44,12 +44,14 @@ class DeviceWindow:
         self._d2h_stream = torch.cuda.Stream(device) if self.is_cuda else None
         self.staging: StagingPool | None = None
 
-    def attach_staging(self, host: object) -> None:
+    def attach_staging(self, host: object, on_cpu: bool = False) -> None:
         """Stage copies through pinned buffers reserved from ``host`` (a HostTier); CUDA only.
 
         Without room in the RAM budget for even one buffer the window keeps direct copies.
+        ``on_cpu`` attaches a (pageable) pool to a CPU window too: the tests of the staged read
+        path, whose copies are then plain and synchronous.
         """
-        if not self.is_cuda or self.staging is not None:
+        if (not self.is_cuda and not on_cpu) or self.staging is not None:
             return
         try:
             self.staging = StagingPool.from_host_tier(host, self.budget)
@@ -114,6 +116,56 @@ class DeviceWindow:
             self._live += nbytes
         self.peak = max(self.peak, self.live_bytes)
         weakref.finalize(t, self._on_free, nbytes)
+        if generation is not None:
+            self._weak[generation] = weakref.ref(t)
+            self._strong[generation] = t
+        return t
+
+    # -- uploads filled piece by piece from the RAM tier (reads.py), without a host tensor --------
+    def start_upload(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised window tensor, counted at once (room must have been made)."""
+        nbytes = 1
+        for s in shape:
+            nbytes *= s
+        nbytes *= torch.empty((), dtype=dtype).element_size()
+        if self.is_cuda:
+            assert self._stream is not None
+            with torch.cuda.stream(self._stream):  # its memory belongs to the H2D stream
+                t = torch.empty(shape, dtype=dtype, device=self.device)
+        else:
+            t = torch.empty(shape, dtype=dtype)
+        with self._lock:
+            self._live += nbytes
+        self.peak = max(self.peak, self.live_bytes)
+        weakref.finalize(t, self._on_free, nbytes)  # a failed fill drops it: its bytes come back
+        return t
+
+    def upload_piece(self, t: torch.Tensor, lo: int, hi: int, buf: torch.Tensor) -> None:
+        """Copy a staging buffer's first ``hi - lo`` elements into flat ``t[lo:hi]``; ``buf`` goes back to the pool.
+
+        On CUDA the copy is queued on the H2D stream and the buffer is reused once it has run.
+        """
+        assert self.staging is not None
+        n = (hi - lo) * t.element_size()
+        dst = t.reshape(-1)[lo:hi].view(torch.uint8) if t.dtype != torch.uint8 else t.reshape(-1)[lo:hi]
+        if self.is_cuda:
+            assert self._stream is not None
+            with torch.cuda.stream(self._stream):
+                dst.copy_(buf[:n], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._stream)
+            self.staging.release(buf, after=done)
+        else:
+            dst.copy_(buf[:n])
+            self.staging.release(buf)
+
+    def finish_upload(self, generation: int | None, t: torch.Tensor) -> torch.Tensor:
+        """Mark a filled upload ready (an event consumers wait on) and track it."""
+        if self.is_cuda:
+            assert self._stream is not None
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            self._events[t] = event
         if generation is not None:
             self._weak[generation] = weakref.ref(t)
             self._strong[generation] = t

@@ -124,6 +124,26 @@ class StagingPool:
             self.acquired += 1
             return self._free.popleft()
 
+    def try_acquire(self) -> torch.Tensor | None:
+        """A free buffer, or the oldest in-flight one once its copy is done; None if all are held.
+
+        For the store's event loop thread, which must never block on a buffer that one of its own
+        coroutines holds (it would never be released): the caller awaits and retries.
+        """
+        with self._cond:
+            if self._closed:
+                raise BudgetError("the staging pool is closed")
+            self._reclaim()
+            if not self._free and self._in_flight:
+                buf, event = self._in_flight.popleft()
+                event.synchronize()  # a DMA already queued: it ends without the loop's help
+                self._free.append(buf)
+            if not self._free:
+                self.waits += 1
+                return None
+            self.acquired += 1
+            return self._free.popleft()
+
     def release(self, buf: torch.Tensor, after: Any = None) -> None:
         """Give a buffer back; with ``after`` (a CUDA event) it is reused once the event is done."""
         with self._cond:
