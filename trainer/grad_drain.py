@@ -3,8 +3,8 @@
 The streaming engine used to call ``grad.to("cpu")`` after each layer's backward: a synchronous
 copy from device memory into fresh pageable memory, so the host stopped queueing the next layer's
 kernels until the GPU had finished this one, and then copied at pageable speed. ``GradDrain``
-instead records an event on the compute stream, has its own D2H stream wait on it and copy the
-gradients into pinned staging buffers (``tierstore.tiers.staging.StagingPool``), and returns at
+instead has its own D2H stream wait on the compute stream and copy the layer's gradients into one
+pinned staging buffer (``tierstore.tiers.staging.StagingPool``), records an event, and returns at
 once. A named drain thread waits on each copy's event, moves the bytes into the fp32 host tensors
 the sink keeps (the staging buffer goes straight back to the pool) and calls the sink, in the order
 the groups were submitted. ``flush`` waits for every submitted group and re-raises a sink error.
@@ -28,9 +28,9 @@ from tierstore.tiers.staging import StagingPool
 
 Sink = Callable[[int, dict[str, torch.Tensor]], None]
 
-# one item: (group, sink, [(name, shape, dtype, payload)]) where payload is either a finished host
-# tensor or (staging buffer, nbytes, event) still being filled by the D2H stream
-_Item = tuple[int, Sink, list[tuple[str, torch.Size, torch.dtype, Any]]]
+# one item: (group, sink, [(name, shape, dtype, payload)], staging buffer, event) where a payload
+# is a finished host tensor or (buffer, offset, nbytes) that the D2H stream fills before ``event``
+_Item = tuple[int, Sink, list[tuple[str, torch.Size, torch.dtype, Any]], Any, Any]
 
 
 def host_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -59,19 +59,19 @@ class GradDrain:
             self._thread.start()
 
     @classmethod
-    def for_groups(cls, device: torch.device, group_bytes: list[int],
-                   largest_tensor: int, threaded: bool | None = None) -> GradDrain:
-        """A drain whose pool holds about two layer groups of fp32 gradients (pinned with CUDA).
+    def for_groups(cls, device: torch.device, group_bytes: list[int], threaded: bool | None = None) -> GradDrain:
+        """A drain with three pinned buffers of one layer group's fp32 gradients each (CUDA only).
 
-        The embedding and head gradients are larger than one buffer and go down directly.
+        One buffer fills on the D2H stream while the drain thread empties another; a group's
+        gradients share one buffer, so small tensors (norms, biases) waste nothing. The prelude
+        and head gradients (embeddings, larger than a layer) go down directly.
         """
         cuda = device.type == "cuda" and torch.cuda.is_available()
         pool = None
         if cuda:
             layers = group_bytes[1:-1] or group_bytes
-            buf = max(4096, min(largest_tensor, 256 << 20))
-            count = max(2, -(-2 * max(layers) // buf))
-            pool = StagingPool(buf, count, pin=True)
+            buf = -(-(max(layers) + 64 * 64) // 4096) * 4096  # room for the 64-byte alignment of each piece
+            pool = StagingPool(buf, 3, pin=True)
         return cls(device, pool, threaded)
 
     def submit(self, g: int, grads: dict[str, torch.Tensor], sink: Sink) -> None:
@@ -81,41 +81,40 @@ class GradDrain:
             sink(g, {n: host_fp32(t) for n, t in grads.items()})
             return
         items: list[tuple[str, torch.Size, torch.dtype, Any]] = []
-        stream = self._stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        for name, t in grads.items():
-            items.append((name, t.shape, t.dtype, self._start_copy(t)))
+        staged = self._stream is not None and self.pool is not None and all(
+            t.device.type == "cuda" for t in grads.values())
+        offsets, off = [], 0
+        for t in grads.values():
+            offsets.append(off)
+            off += -(-(t.numel() * t.element_size()) // 64) * 64
+        buf, event = None, None
+        if staged and 0 < off <= self.pool.buffer_bytes:  # type: ignore[union-attr]
+            assert self._stream is not None and self.pool is not None
+            buf = self.pool.acquire()
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # this layer's backward
+            with torch.cuda.stream(self._stream):
+                for (name, t), o in zip(grads.items(), offsets, strict=True):
+                    n = t.numel() * t.element_size()
+                    buf[o:o + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
+                    t.record_stream(self._stream)  # its memory is not reused before the copy ends
+                    items.append((name, t.shape, t.dtype, (buf, o, n)))
+                event = torch.cuda.Event()
+                event.record(self._stream)
+            self.staged_bytes += off
+        else:  # on the CPU, or a group too large to stage: the synchronous copy
+            items = [(name, t.shape, t.dtype, host_fp32(t)) for name, t in grads.items()]
         with self._cond:
             self._pending += 1
-        self._q.put((g, sink, items))
+        self._q.put((g, sink, items, buf, event))
 
-    def _start_copy(self, t: torch.Tensor) -> Any:
-        nbytes = t.numel() * t.element_size()
-        if self._stream is None or t.device.type != "cuda" or self.pool is None or nbytes > self.pool.buffer_bytes \
-                or nbytes == 0:
-            return host_fp32(t)  # on the CPU: already a host tensor; on CUDA: too big to stage
-        buf = self.pool.acquire()
-        with torch.cuda.stream(self._stream):
-            buf[:nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        t.record_stream(self._stream)  # the gradient's memory is not reused before the copy ends
-        self.staged_bytes += nbytes
-        return (buf, nbytes, event)
-
-    def _finish(self, shape: torch.Size, dtype: torch.dtype, payload: Any) -> torch.Tensor:
+    @staticmethod
+    def _finish(shape: torch.Size, dtype: torch.dtype, payload: Any) -> torch.Tensor:
+        """The fp32 host tensor the sink keeps: a host payload as it is, a staged one copied out."""
         if isinstance(payload, torch.Tensor):
             return payload
-        buf, nbytes, event = payload
-        event.synchronize()  # this copy only: the GPU keeps running the next layer
+        buf, off, nbytes = payload
         out = torch.empty(shape, dtype=torch.float32)
-        try:
-            src = buf[:nbytes].view(dtype).reshape(shape)
-            out.copy_(src)  # the fp32 host tensor the sink keeps; converts a bf16 gradient too
-        finally:
-            assert self.pool is not None
-            self.pool.release(buf)
+        out.copy_(buf[off:off + nbytes].view(dtype).reshape(shape))  # converts a bf16 gradient too
         return out
 
     def _loop(self) -> None:
@@ -123,9 +122,16 @@ class GradDrain:
             item = self._q.get()
             if item is None:
                 return
-            g, sink, items = item
+            g, sink, items, buf, event = item
             try:
-                grads = {name: self._finish(shape, dtype, p) for name, shape, dtype, p in items}
+                if event is not None:
+                    event.synchronize()  # this group's copy only: the GPU runs on meanwhile
+                try:
+                    grads = {name: self._finish(shape, dtype, p) for name, shape, dtype, p in items}
+                finally:
+                    if buf is not None:
+                        assert self.pool is not None
+                        self.pool.release(buf)  # emptied: the next layer may fill it
                 if self._error is None:
                     sink(g, grads)
             except BaseException as e:  # handed to the training thread at its next call

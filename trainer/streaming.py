@@ -107,8 +107,7 @@ class StreamingEngine:
                 "raise max_vram_gb"
             )
         # layer gradients leave the device on a D2H stream as each backward ends (grad_drain.py)
-        largest = max((int(store.info(n).nbytes) for _, names in self.groups[1:-1] for n in names), default=0)
-        self.drain = drain or GradDrain.for_groups(device, self.read_bytes, largest)
+        self.drain = drain or GradDrain.for_groups(device, self.read_bytes)
         weakref.finalize(self, self.drain.close)
 
     # -- weights ---------------------------------------------------------------------------

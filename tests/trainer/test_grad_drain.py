@@ -16,7 +16,7 @@ from trainer.grad_drain import GradDrain
 
 
 def test_sync_drain_on_cpu_calls_the_sink_at_once() -> None:
-    drain = GradDrain.for_groups(torch.device("cpu"), [10, 10, 10], 4)
+    drain = GradDrain.for_groups(torch.device("cpu"), [10, 10, 10])
     assert not drain.threaded and drain.pool is None  # the CPU gets the cheap synchronous path
     got: list[Any] = []
     g = torch.randn(3, 4, dtype=torch.bfloat16)
@@ -59,22 +59,36 @@ class _DoneEvent:
 
 def test_staged_payload_is_unpacked_to_fp32_and_the_buffer_recycled() -> None:
     pool = StagingPool(4096, 1)
-    drain = GradDrain(torch.device("cpu"), pool=pool, threaded=False)
     g = torch.randn(7, 9, dtype=torch.bfloat16)
     buf = pool.acquire()
     n = g.numel() * g.element_size()
-    buf[:n].copy_(g.reshape(-1).view(torch.uint8))  # what the D2H stream would have written
-    out = drain._finish(g.shape, g.dtype, (buf, n, _DoneEvent()))
+    buf[128:128 + n].copy_(g.reshape(-1).view(torch.uint8))  # what the D2H stream would have written
+    out = GradDrain._finish(g.shape, g.dtype, (buf, 128, n))
     assert out.dtype == torch.float32 and torch.equal(out, g.float())
-    assert pool.acquire() is buf  # back in the pool, not kept by the sink's tensor
-    assert out.data_ptr() != buf.data_ptr()
+    assert out.data_ptr() != buf.data_ptr()  # the sink's tensor is its own, not the buffer
+
+
+def test_drain_thread_releases_the_group_buffer_after_its_event() -> None:
+    pool = StagingPool(4096, 1)
+    drain = GradDrain(torch.device("cpu"), pool=pool, threaded=True)
+    buf = pool.acquire()
+    g = torch.randn(10)
+    buf[:40].copy_(g.view(torch.uint8))
+    got: list[torch.Tensor] = []
+    with drain._cond:
+        drain._pending += 1
+    drain._q.put((3, lambda i, d: got.append(d["w"]), [("w", g.shape, g.dtype, (buf, 0, 40))], buf, _DoneEvent()))
+    drain.flush()
+    assert torch.equal(got[0], g)
+    assert pool.try_acquire() is buf  # back in the pool once the sink had its copy
+    drain.close()
 
 
 def test_training_with_a_threaded_drain_matches_plain_pytorch(dataset: Any, tmp_path: Any, monkeypatch: Any) -> None:
     # The CUDA path's drain runs sinks on its own thread: force that on the CPU.
     made: list[GradDrain] = []
 
-    def threaded(device: torch.device, group_bytes: list[int], largest: int, threaded: Any = None) -> GradDrain:
+    def threaded(device: torch.device, group_bytes: list[int], threaded: Any = None) -> GradDrain:
         made.append(GradDrain(device, threaded=True))
         return made[-1]
 
