@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tierstore.errors import BudgetError
 from tierstore.tiers.staging import StagingPool
 
 Sink = Callable[[int, dict[str, torch.Tensor]], None]
@@ -59,19 +60,32 @@ class GradDrain:
             self._thread.start()
 
     @classmethod
-    def for_groups(cls, device: torch.device, group_bytes: list[int], threaded: bool | None = None) -> GradDrain:
-        """A drain with three pinned buffers of one layer group's fp32 gradients each (CUDA only).
+    def for_groups(cls, device: torch.device, group_bytes: list[int], threaded: bool | None = None,
+                   store: Any = None) -> GradDrain:
+        """A drain with (up to) three pinned buffers of one layer group's fp32 gradients each (CUDA only).
 
         One buffer fills on the D2H stream while the drain thread empties another; a group's
         gradients share one buffer, so small tensors (norms, biases) waste nothing. The prelude
-        and head gradients (embeddings, larger than a layer) go down directly.
+        and head gradients (embeddings, larger than a layer) go down directly. With ``store`` the
+        buffers are reserved from its RAM budget (fewer if it is tight; none: direct copies).
         """
         cuda = device.type == "cuda" and torch.cuda.is_available()
         pool = None
         if cuda:
             layers = group_bytes[1:-1] or group_bytes
             buf = -(-(max(layers) + 64 * 64) // 4096) * 4096  # room for the 64-byte alignment of each piece
-            pool = StagingPool(buf, 3, pin=True)
+            # at most 1/8 of the RAM budget, so the RAM tier keeps room for its chunks
+            budget = store.stats().get("ram_budget") if hasattr(store, "stats") else None
+            count = 3 if budget is None else min(3, budget // 8 // buf)
+            try:
+                if count < 1:
+                    pool = None
+                elif hasattr(store, "staging_pool"):
+                    pool = store.staging_pool(buf, count)
+                else:
+                    pool = StagingPool(buf, count, pin=True)
+            except BudgetError:
+                pool = None  # no room in the RAM budget: the synchronous copies
         return cls(device, pool, threaded)
 
     def submit(self, g: int, grads: dict[str, torch.Tensor], sink: Sink) -> None:
@@ -121,6 +135,7 @@ class GradDrain:
         while True:
             item = self._q.get()
             if item is None:
+                self._free_pool()
                 return
             g, sink, items, buf, event = item
             try:
@@ -156,13 +171,30 @@ class GradDrain:
 
     def close(self) -> None:
         """Finish queued work, stop the thread and free the pool (an unreported error is dropped)."""
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             with self._cond:
                 while self._pending:
                     self._cond.wait()
             self._q.put(None)
             self._thread.join()
             self._thread = None
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        self.close_soon()
+
+    def close_soon(self) -> None:
+        """Stop once the queued work is done, without waiting: safe in a finalizer on any thread.
+
+        (A blocking close run by a garbage collection on the store's loop thread would wait for
+        sinks that need that very thread.)
+        """
+        if self._thread is not None:
+            self._q.put(None)  # the drain thread frees the pool on its way out
+            return
+        self._free_pool()
+
+    def _free_pool(self) -> None:
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            try:
+                pool.close()
+            except Exception:  # a closed store has no budget left to give the bytes back to
+                pass

@@ -107,8 +107,8 @@ class StreamingEngine:
                 "raise max_vram_gb"
             )
         # layer gradients leave the device on a D2H stream as each backward ends (grad_drain.py)
-        self.drain = drain or GradDrain.for_groups(device, self.read_bytes)
-        weakref.finalize(self, self.drain.close)
+        self.drain = drain or GradDrain.for_groups(device, self.read_bytes, store=store)
+        weakref.finalize(self, self.drain.close_soon)
 
     # -- weights ---------------------------------------------------------------------------
     def _prefetch(self, g: int, current: int) -> None:

@@ -144,3 +144,18 @@ def test_staged_device_reads_equal_plain_reads(tmp_path, codec) -> None:
         s.prefetch(["odd"], to="device", wait=True)
         assert s.stats()["bytes_h2d"] >= sum(x.numel() * x.element_size() for x in xs.values())
         assert s.stats()["host_bytes"] >= pool.nbytes  # the pool is in the RAM budget
+
+
+def test_store_staging_pool_is_counted_and_given_back(tmp_path) -> None:
+    with tierstore.open(tmp_path, ram_budget="1MiB") as s:
+        pool = s.staging_pool(128 * 1024, 16)  # asks for 2 MiB: the budget holds 8 buffers
+        assert pool.count == 8 and s.stats()["host_bytes"] == pool.nbytes == 1 << 20
+        assert s.async_store._host.try_alloc(4096) is None  # the pool holds the whole budget
+        pool.release(pool.acquire())
+        pool.close()
+        assert s.stats()["host_bytes"] == 0
+        s.put("x", torch.zeros(1024))
+        with pytest.raises(BudgetError, match="no room"):
+            s.staging_pool(2 << 20, 1)
+    with pytest.raises(tierstore.StoreClosed):
+        s.staging_pool(4096, 1)

@@ -88,7 +88,7 @@ def test_training_with_a_threaded_drain_matches_plain_pytorch(dataset: Any, tmp_
     # The CUDA path's drain runs sinks on its own thread: force that on the CPU.
     made: list[GradDrain] = []
 
-    def threaded(device: torch.device, group_bytes: list[int], threaded: Any = None) -> GradDrain:
+    def threaded(device: torch.device, group_bytes: list[int], threaded: Any = None, store: Any = None) -> GradDrain:
         made.append(GradDrain(device, threaded=True))
         return made[-1]
 
@@ -109,3 +109,20 @@ def test_training_with_a_threaded_drain_matches_plain_pytorch(dataset: Any, tmp_
     got = [e["loss"] for e in tr.state.log_history]
     for a, b in zip(got, ref_losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
+
+
+def test_close_soon_frees_the_budgeted_pool_on_the_drain_thread(tmp_path: Any) -> None:
+    import tierstore
+
+    with tierstore.open(tmp_path, ram_budget="1MiB") as s:
+        drain = GradDrain(torch.device("cpu"), pool=s.staging_pool(64 * 1024, 3), threaded=True)
+        assert s.stats()["host_bytes"] == 3 * 64 * 1024
+        got: list[int] = []
+        for i in range(3):
+            drain.submit(i, {"w": torch.ones(3)}, lambda g, d: got.append(g))
+        thread = drain._thread
+        drain.close_soon()  # what the engine's finalizer calls: it never waits
+        assert thread is not None
+        thread.join(timeout=30)
+        assert not thread.is_alive() and got == [0, 1, 2]
+        assert drain.pool is None and s.stats()["host_bytes"] == 0
