@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -395,6 +396,41 @@ def summary(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _fs_type(path: str) -> str:
+    """The filesystem type of the mount holding ``path`` (from /proc/mounts; "" if unknown)."""
+    best, kind = "", ""
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and os.path.realpath(path).startswith(parts[1]) and len(parts[1]) > len(best):
+                    best, kind = parts[1], parts[2]
+    except OSError:
+        pass
+    return kind
+
+
+def pick_work_dir() -> str:
+    """A scratch folder on the disk with the most free space, never on tmpfs (a 7B store is ~35 GB)."""
+    options = []
+    for base in (tempfile.gettempdir(), os.getcwd()):
+        try:
+            st = os.statvfs(base)
+        except OSError:
+            continue
+        options.append((_fs_type(base) not in ("tmpfs", "ramfs"), st.f_bavail * st.f_frsize, base))
+    base = max(options)[2] if options else tempfile.gettempdir()
+    return tempfile.mkdtemp(prefix="gpu-bench-", dir=base)
+
+
+def _clean_work(work: str) -> None:
+    """Delete the stores a finished (or killed) stage left behind: the disk holds one at a time."""
+    for entry in os.listdir(work):
+        path = os.path.join(work, entry)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def run_stage(name: str, device: str, sizes_json: str, work: str, result_path: str) -> None:
     """Run one stage in this process, writing its (partial) result to ``result_path``."""
     dev = torch.device(device)
@@ -458,10 +494,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes[k] = None if v.lower() == "none" else (v if k.startswith("model") else int(v))
     sizes["fast_exit"] = int(not a.inline)  # a stage process may end without the final commit
     os.makedirs(a.out, exist_ok=True)
-    work = a.work or tempfile.mkdtemp(prefix="gpu-bench-")
+    work = a.work or pick_work_dir()
     os.makedirs(work, exist_ok=True)
     json_path, txt_path = os.path.join(a.out, "gpu_bench.json"), os.path.join(a.out, "gpu_bench.txt")
-    results: dict[str, Any] = {"device": a.device, "sizes": sizes, "budget_s": a.budget_s}
+    st = os.statvfs(work)
+    results: dict[str, Any] = {"device": a.device, "sizes": sizes, "budget_s": a.budget_s, "work": work,
+                               "work_fs": _fs_type(work), "work_free_gib": st.f_bavail * st.f_frsize / _GIB}
     deadline = time.monotonic() + a.budget_s
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(os.path.join(a.out, "gpu_bench.log"), "a") as log:
@@ -478,6 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.flush()
             if a.inline:
                 results[name] = _run_inline(name, a.device, sizes, work, result_path, log)
+                _clean_work(work)
                 _write_json(json_path, results)
                 continue
             cmd = [sys.executable, "-m", "tools.gpu_bench", "--stage", name, "--device", a.device,
@@ -496,12 +535,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 with open(result_path) as f:
                     res = json.load(f)
             results[name] = {"status": status, "wall_s": time.monotonic() - t0, "timeout_s": timeout, "result": res}
+            _clean_work(work)
             _write_json(json_path, results)
             with open(txt_path, "w") as f:
                 f.write(summary(results))
     _write_json(json_path, results)
     with open(txt_path, "w") as f:
         f.write(summary(results))
+    if a.work is None:
+        shutil.rmtree(work, ignore_errors=True)  # the scratch folder this run picked
     sys.stdout.write(summary(results))
     return 0 if all(results[s]["status"] == "ok" for s in stages) else 1
 

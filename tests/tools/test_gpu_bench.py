@@ -47,6 +47,8 @@ def test_dry_run_on_cpu_writes_every_stage(tmp_path) -> None:
     # same model, same first batch: the streaming trainer's first loss is plain PyTorch's
     first = res["plain_1b"]["result"]["losses"][0]
     assert abs(res["stream_1b"]["result"]["losses"][0] - first) < 0.05 * first
+    assert not [p for p in (tmp_path / "work").iterdir() if p.is_dir()]  # stores deleted after each stage
+    assert res["work_free_gib"] > 0
     text = (out / "gpu_bench.txt").read_text()
     assert "stream_1b / plain_1b step time" in text and "H2D store" in text
 
