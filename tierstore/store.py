@@ -73,6 +73,7 @@ class AsyncStore(ReadPath):
         self._host.explain_stuck = self._explain_stuck
         assert config.device is not None
         self._window = DeviceWindow(config.device, config.device_budget)
+        self._window.attach_staging(self._host)  # pinned copy buffers in the RAM budget (CUDA only)
         self._predictor = AccessPredictor(config.prefetch_ahead)
         self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierstore-io")
         self._cpu = ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="tierstore-cpu")
@@ -255,7 +256,7 @@ class AsyncStore(ReadPath):
         codec_obj.check_dtype(tensor.dtype)
         t = tensor.detach()
         if t.device.type != "cpu":
-            t = t.to("cpu")
+            t = self._window.to_host(t)  # on the D2H stream, through the staging buffers
             self.stats_counters.bytes_d2h += t.numel() * t.element_size()
         t = t.contiguous()
         assert self.config.chunk_bytes is not None

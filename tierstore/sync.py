@@ -17,6 +17,7 @@ from tierstore.errors import StoreClosed, StoreError
 from tierstore.reads import Index
 from tierstore.records import Commit, TensorInfo
 from tierstore.store import AsyncStore
+from tierstore.tiers.staging import StagingPool
 
 T = TypeVar("T")
 
@@ -69,6 +70,27 @@ def _close_open_stores() -> None:
 atexit.register(_close_open_stores)
 
 
+class _LoopHostTier:
+    """The RAM tier as seen from another thread: its reservations run on the store's loop thread."""
+
+    def __init__(self, loop: LoopThread, host: Any) -> None:
+        self._loop = loop
+        self._host = host
+        self.budget = host.budget
+        self.pin = host.pin
+
+    def try_alloc(self, nbytes: int) -> torch.Tensor | None:
+        """A buffer counted in the RAM budget, or None when the budget has no room."""
+        return self._loop.call(self._host.try_alloc, nbytes)
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Uncount a buffer; nothing to do once the store is closed (its budget is gone)."""
+        try:
+            self._loop.call(self._host.release, buf)
+        except StoreError:
+            pass
+
+
 class Store:
     """A tiered tensor store with blocking methods; see ``tierstore.open``."""
 
@@ -102,6 +124,19 @@ class Store:
         t = self._loop.run(self._a.get(key, device=device, index=index))
         self._a._window.wait_ready(t)
         return t
+
+    def staging_pool(self, buffer_bytes: int, count: int) -> StagingPool:
+        """A pool of up to ``count`` host buffers (pinned with CUDA) counted in the RAM budget.
+
+        For copies a caller runs itself (the trainer's gradient drain); ``close()`` the pool to
+        give the bytes back. Raises BudgetError when not even one buffer fits the budget.
+        """
+        self._check_facade_open()
+        return StagingPool(buffer_bytes, count, pin=self._a._host.pin, host=_LoopHostTier(self._loop, self._a._host))
+
+    def _check_facade_open(self) -> None:
+        if self._loop is None:
+            raise StoreClosed(f"the store at {self.path} is closed")
 
     def prefetch(self, keys: Sequence[str] | str, to: str = "host", wait: bool = False) -> None:
         """Hint that ``keys`` will be read soon; loading starts in the background (``wait``: finish)."""

@@ -1,11 +1,59 @@
 #!/usr/bin/env bash
-# One prepared run on a lent GPU machine: the CUDA tests and the store benchmark, results in $OUT.
+# The prepared run on a lent GPU machine (one H200; python3 3.12 with torch, transformers,
+# safetensors, aiofiles, tqdm, matplotlib, pytest; no network). One command, <= 8 minutes:
+#   run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=540)
+# The missing packages (lmdb, zarr, numcodecs, crc32c and their deps) travel as Python 3.12
+# wheels in .whl/ (pip download ... --python-version 3.12, see the report of issue 16). At most 8
+# files land in $OUT: nvidia-smi.txt, install.log, cuda_tests.txt, gpu_bench.{json,txt,log}.
+# DEVICE=cpu dry-runs the same steps on a machine without a GPU (tiny sizes, no wheel install).
 set -uo pipefail
+cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}
+DEVICE=${DEVICE:-cuda}
+PY=${PYTHON:-python3}
+BENCH_BUDGET_S=${BENCH_BUDGET_S:-390}   # the benchmark's share of the 8 minutes
+TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-90}
 mkdir -p "$OUT"
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-python3 -m venv .venv-gpu && . .venv-gpu/bin/activate
-pip install -q "torch>=2.4" && pip install -q -e ".[train,dev]" > "$OUT/install.log" 2>&1
-python -m pytest -q -m cuda tests 2>&1 | tee "$OUT/cuda_tests.txt"
-python -m pytest -q tests/tierstore 2>&1 | tail -5 | tee "$OUT/store_tests.txt"
-python -m tools.bench_store --size 4GiB --tensor 256MiB 2>&1 | tee "$OUT/bench_store.txt"
+start=$(date +%s)
+
+if [ "$DEVICE" = cuda ]; then
+  nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+  {
+    ls -la .whl
+    wheels=(.whl/*.whl)
+    # keep the machine's own typing_extensions (torch's) unless it lacks one
+    if "$PY" -c "import typing_extensions" 2>/dev/null; then
+      wheels=("${wheels[@]/*typing_extensions*/}")
+    fi
+    if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site ${wheels[@]}; then
+      echo "pip install ok"
+    else  # no pip there: a wheel is a zip archive laid out for site-packages
+      echo "pip install failed: unzipping the wheels into /tmp/site"
+      mkdir -p /tmp/site
+      for w in ${wheels[@]}; do "$PY" -m zipfile -e "$w" /tmp/site; done
+    fi
+  } > "$OUT/install.log" 2>&1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  echo "DEVICE=$DEVICE: no GPU, no install" > "$OUT/nvidia-smi.txt"
+  echo "DEVICE=$DEVICE: the current environment is used" > "$OUT/install.log"
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+"$PY" -c "import torch, zarr, numcodecs, lmdb, crc32c, tierstore, trainer; print('imports ok: torch', torch.__version__, 'cuda', torch.cuda.is_available())" >> "$OUT/install.log" 2>&1
+
+# The CUDA tests and the CPU tests of the pieces they share (staging, drain, bf16 numerics);
+# -p no:cacheprovider: the checkout may be read-only; the asyncio option is unknown there.
+timeout "$TESTS_TIMEOUT_S" "$PY" -m pytest -q -p no:cacheprovider -W ignore::pytest.PytestConfigWarning \
+  tests/tierstore/test_cuda.py tests/tierstore/test_staging.py tests/trainer/test_grad_drain.py \
+  tests/trainer/test_bf16_master.py tests/trainer/test_cuda_train.py > "$OUT/cuda_tests.txt" 2>&1
+echo "pytest rc=$? after $(( $(date +%s) - start )) s" >> "$OUT/cuda_tests.txt"
+
+# Whatever the tests took, the benchmark ends by the 8-minute mark (each stage time-boxed).
+left=$(( 470 - ($(date +%s) - start) ))
+budget=$(( left < BENCH_BUDGET_S ? left : BENCH_BUDGET_S ))
+"$PY" -m tools.gpu_bench --device "$DEVICE" --out "$OUT" --budget-s "$budget" "$@"
+rc=$?
+echo "gpu_check done in $(( $(date +%s) - start )) s (bench rc=$rc)" | tee -a "$OUT/gpu_bench.txt"
+tail -3 "$OUT/cuda_tests.txt"
+exit 0

@@ -15,6 +15,7 @@ called with, so each layer gets exactly the arguments the model itself would pas
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch import nn
 from torch.func import functional_call
 
 from trainer.data import IGNORE_INDEX
+from trainer.grad_drain import GradDrain
 from trainer.model import ModelParts
 
 GradSink = Callable[[int, dict[str, torch.Tensor]], None]
@@ -81,7 +83,8 @@ class StreamingEngine:
 
     def __init__(self, parts: ModelParts, store: Any, device: torch.device, bf16: bool = False,
                  store_lock: contextlib.AbstractContextManager[Any] | None = None,
-                 before_fetch: Callable[[int], None] | None = None, window_bytes: int | None = None) -> None:
+                 before_fetch: Callable[[int], None] | None = None, window_bytes: int | None = None,
+                 drain: GradDrain | None = None) -> None:
         self.parts = parts
         self.store = store
         self.device = device
@@ -103,6 +106,9 @@ class StreamingEngine:
                 f"({self.groups[biggest][0]}: {self.read_bytes[biggest]} B); each piece must fit: "
                 "raise max_vram_gb"
             )
+        # layer gradients leave the device on a D2H stream as each backward ends (grad_drain.py)
+        self.drain = drain or GradDrain.for_groups(device, self.read_bytes, store=store)
+        weakref.finalize(self, self.drain.close_soon)
 
     # -- weights ---------------------------------------------------------------------------
     def _prefetch(self, g: int, current: int) -> None:
@@ -240,7 +246,7 @@ class StreamingEngine:
                 out = self._layer(i, w, x, cap)
             grads = torch.autograd.grad(out, [x, *w.values()], dh, allow_unused=True)
             dh = grads[0]
-            sink(i + 1, self._host_grads(w, grads[1:]))
+            self.drain.submit(i + 1, self._device_grads(w, grads[1:]), sink)
             del out, w, held, grads
         # The prelude: recompute the embeddings with autograd and backprop into them.
         w, held = self._fetch(0, grad=True)
@@ -250,6 +256,7 @@ class StreamingEngine:
         grads = torch.autograd.grad(c.args[0], list(w.values()), dh, allow_unused=True)
         pre = self._host_grads(w, grads)
         del w, held, c, grads
+        self.drain.flush()  # every layer's sink has run: the prelude's comes last, as before
         if tied_grad is not None:
             pre[tied_key] = pre[tied_key] + tied_grad  # type: ignore[index]
         sink(0, pre)
@@ -276,6 +283,12 @@ class StreamingEngine:
             loss_sum = causal_lm_loss_sum(self._head(w, h), batch["labels"])
             del w, held
         return float(loss_sum), count_loss_tokens(batch["labels"])
+
+    @staticmethod
+    def _device_grads(w: dict[str, torch.Tensor], grads: tuple[torch.Tensor | None, ...]) -> dict[str, torch.Tensor]:
+        # An unused parameter gets a zero gradient (on the host: nothing to copy down).
+        return {name: g if g is not None else torch.zeros(t.shape, dtype=torch.float32)
+                for (name, t), g in zip(w.items(), grads, strict=True)}
 
     @staticmethod
     def _host_grads(w: dict[str, torch.Tensor], grads: tuple[torch.Tensor | None, ...]) -> dict[str, torch.Tensor]:

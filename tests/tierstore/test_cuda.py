@@ -41,3 +41,36 @@ def test_cuda_window_refuses_when_references_hold_it(tmp_path) -> None:
             s.get("x2", device="cuda")
         del held
         assert s.get("x2", device="cuda").is_cuda
+
+
+def test_cuda_staging_pool_is_pinned_and_counted(tmp_path) -> None:
+    with tierstore.open(tmp_path, ram_budget="256MiB", device_budget="64MiB", device="cuda") as s:
+        pool = s.async_store._window.staging
+        assert pool is not None and pool.pinned
+        assert all(b.is_pinned() for b in pool._bufs)
+        assert s.stats()["host_bytes"] == pool.nbytes  # the pool is in the RAM budget
+        big = torch.randn(3 * pool.buffer_bytes // 4 + 123)  # several staged pieces
+        s.put("big", big)
+        before = pool.acquired
+        t = s.get("big", device="cuda")
+        assert pool.acquired > before + 1  # uploaded through the pool in pieces
+        assert torch.equal(t.cpu(), big)
+        s.put("back", t * 2)  # a device tensor leaves on the D2H stream through the pool
+        assert torch.equal(s.get("back"), big * 2)
+
+
+def test_cuda_window_upload_is_asynchronous_and_event_gated(tmp_path) -> None:
+    from tierstore.tiers.device import DeviceWindow
+    from tierstore.tiers.host import HostTier
+
+    host = HostTier(budget=64 << 20, pin=True)
+    win = DeviceWindow(torch.device("cuda"), None)
+    win.attach_staging(host)
+    assert win.staging is not None and host.used == win.staging.nbytes
+    xs = [torch.randn(1 << 20) for _ in range(8)]  # 4 MiB each, more than the pool holds
+    ts = [win.admit(None, x) for x in xs]
+    for x, t in zip(xs, ts, strict=True):
+        win.wait_ready(t)
+        assert torch.equal(t.cpu(), x)
+    win.clear()
+    assert host.used == 0
