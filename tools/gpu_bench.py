@@ -288,8 +288,9 @@ def _stream(device: torch.device, name: str, batch: int, seq: int, steps: int, v
                                 save_steps=0, max_grad_norm=0.0, bf16=True, disable_tqdm=True)
 
     def on_log(history: list[dict[str, Any]]) -> None:
-        timed = history[1:]  # the first step is a warm-up
-        out["losses"] = [e.get("loss") for e in history]
+        steps_logged = [e for e in history if "step_s" in e]  # not the run's closing summary entry
+        timed = steps_logged[1:]  # the first step is a warm-up
+        out["losses"] = [e.get("loss") for e in steps_logged]
         if not timed:
             return
         step_s = [float(e["step_s"]) for e in timed]
@@ -303,7 +304,7 @@ def _stream(device: torch.device, name: str, batch: int, seq: int, steps: int, v
         def _log(self, *a: Any, **k: Any) -> None:  # the trainer's per-step log: report as we go
             super()._log(*a, **k)
             on_log(self.state.log_history)
-            if sizes_fast_exit and len(self.state.log_history) >= steps + 1:
+            if sizes_fast_exit and sum("step_s" in e for e in self.state.log_history) >= steps + 1:
                 # the figures are in; the final checkpoint (an fsync of every weight and moment,
                 # tens of GB at 7B) is not what this stage measures: skip it, device time is short
                 st = self.store.stats()

@@ -106,7 +106,7 @@ def test_training_with_a_threaded_drain_matches_plain_pytorch(dataset: Any, tmp_
     finally:
         tr.close()
     assert made and made[0].threaded
-    got = [e["loss"] for e in tr.state.log_history]
+    got = [e["loss"] for e in tr.state.log_history if "loss" in e]
     for a, b in zip(got, ref_losses, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b)
 
