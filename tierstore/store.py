@@ -261,6 +261,7 @@ class AsyncStore(ReadPath):
         assert self.config.chunk_bytes is not None
         grid = ChunkGrid.plan(tuple(t.shape), t.element_size(), self.config.chunk_bytes)
         gen = self._next_gen
+        self._disk.generation_dir(key, gen)  # InvalidKey now if its folder name is too long
         self._next_gen += 1
         t0 = time.perf_counter()
         try:
