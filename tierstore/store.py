@@ -185,8 +185,14 @@ class AsyncStore(ReadPath):
             # let in-flight I/O settle; failures no longer matter: nothing uncommitted survives
             pending = [t for ts in self._writes.values() for t in ts] + list(self._retiring)
             await asyncio.gather(*pending, return_exceptions=True)
-            for t in list(self._background):
+            background = list(self._background)
+            for t in background:
                 t.cancel()
+            # let them (and the disk reads they started) unwind: a task still pending when the
+            # sync facade stops its loop is destroyed mid-await (found by tools.modelcheck)
+            unwinding = [*background, *self._reads.values()]
+            if unwinding:
+                await asyncio.wait(unwinding)
             self._closed = True
             self._window.clear()
             self._release_files()
@@ -445,20 +451,26 @@ class AsyncStore(ReadPath):
     # ---------------------------------------------------------------- commit
 
     async def _drain_writes(self) -> None:
-        """Wait for every pending chunk write; retry failed ones once (e.g. after ENOSPC)."""
+        """Wait for every pending chunk write; retry failed ones once (e.g. after ENOSPC).
+
+        ``asyncio.wait`` on a snapshot, never ``gather``: cancelling a commit must not cancel
+        the write-behind (or retirements) it waits for (found by tools.modelcheck).
+        """
         if self._retiring:
-            await asyncio.gather(*list(self._retiring), return_exceptions=True)
+            await asyncio.wait(list(self._retiring))
         for gen in list(self._writes):
-            tasks = self._writes.get(gen, [])
-            results = await asyncio.gather(*tasks, return_exceptions=True)
-            errors = [r for r in results if isinstance(r, BaseException)]
-            if not errors:
+            tasks = list(self._writes.get(gen, []))
+            if tasks:
+                await asyncio.wait(tasks)
+            if all(not t.cancelled() and t.exception() is None for t in tasks):
                 continue
             rec = next((r for r in self._head.values() if r.generation == gen), None)
             if rec is None:
                 continue  # superseded meanwhile: nothing to save
-            self._writes[gen] = [self._spawn(t) for t in await self._rewrite(rec)]
-            await asyncio.gather(*self._writes[gen])
+            retry = self._writes[gen] = [self._spawn(t) for t in await self._rewrite(rec)]
+            await asyncio.wait(retry)
+            for t in retry:
+                t.result()  # the first failure of the retry fails the commit
 
     async def _rewrite(self, rec: GenRecord) -> list[Any]:
         """Write coroutines for every file of ``rec`` whose data is still dirty in RAM."""

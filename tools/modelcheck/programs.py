@@ -194,9 +194,11 @@ def _actor_op(rng: random.Random, actor: int, is_async: bool, all_keys: list[str
             return op
         style = rng.choice(("wait_for", "cancel"))
         return Op("cancel", actor, inner=op, style=style, delay=rng.choice((0, 1, 2, 5, 20, 200)))
-    if is_async and "cancel_commit" in feats and op.kind != "commit" and rng.random() < 0.05:
+    if is_async and "cancel_commit" in feats and op.kind != "commit" and rng.random() < 0.15:
+        # a commit yields a few dozen times (drain, fsync, catalog on io threads): spread the
+        # cancellation over all of its awaits
         return Op("cancel", actor, inner=Op("commit", actor), style=rng.choice(("wait_for", "cancel")),
-                  delay=rng.choice((0, 1, 3, 10, 100)))
+                  delay=rng.randint(0, 60))
     return op
 
 
@@ -217,8 +219,13 @@ def _fails_writes(faults: dict | None) -> bool:
     return bool({"write", "mkdir"} & set(faults.get("fail_sites", ()) or faults.get("sites", ())))
 
 
-def generate(seed: int, features: tuple[str, ...] | None = None) -> Program:
-    """The program of ``seed`` using only ``features`` (default: every feature without a KNOWN defect)."""
+def generate(seed: int, features: tuple[str, ...] | None = None, max_phases: int = 3,
+             max_ops: int = 6) -> Program:
+    """The program of ``seed`` using only ``features`` (default: every feature without a KNOWN defect).
+
+    ``max_phases`` and ``max_ops`` (calls per actor and phase) bound its length: CI runs short
+    programs, ``tools.fuzz_store`` longer ones.
+    """
     feats = set(BASE if features is None else features)
     unknown = feats - set(FEATURES)
     if unknown:
@@ -234,11 +241,11 @@ def generate(seed: int, features: tuple[str, ...] | None = None) -> Program:
     all_keys = sorted(k for a in range(len(actors)) for k in owned_keys(a))
     vids = [0]
     phases = []
-    for _ in range(rng.randint(1, 3)):
+    for _ in range(rng.randint(1, max_phases)):
         ops = []
         for a, kind in enumerate(actors):
             ops += [_actor_op(rng, a, kind == "async", all_keys, feats, vids)
-                    for _ in range(rng.randint(1, 6))]
+                    for _ in range(rng.randint(1, max_ops))]
         barriers = []
         r = rng.random()
         if "reopen" in feats and r < 0.3:

@@ -143,8 +143,9 @@ def _make_index(op: Op, rows: int, rng: random.Random) -> Any:
 class Runner:
     """Executes one program; ``run()`` returns its Outcome."""
 
-    def __init__(self, program: Program, root: str):
+    def __init__(self, program: Program, root: str, op_timeout_s: float = OP_TIMEOUT_S):
         self.p = program
+        self.op_timeout_s = op_timeout_s
         self.path = os.path.join(root, f"store-{program.seed}")
         self.model = Model(program)
         self.store: tierstore.Store | None = None
@@ -163,7 +164,8 @@ class Runner:
 
     def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
-        msg = f"{context.get('message')}: {type(exc).__name__}: {exc}"
+        what = context.get("task") or context.get("future")
+        msg = f"{context.get('message')}: {type(exc).__name__}: {exc} ({what!r:.300})"
         if self._done:
             STRAY_LOOP_ERRORS.append((self.p.seed, msg))
         else:
@@ -277,6 +279,9 @@ class Runner:
             if cancelled or (exc is not None and self._allowed(exc)):
                 return
             seen = res if exc is None else exc
+            if not owner:  # a put that started after this read was prepared may be what it saw
+                for v in m.candidates(op.key, racing=True) - set(expected):
+                    expected[v] = _expect(None if v == ABSENT else m.tensor(v), op, index)
             ok = {v for v, e in expected.items() if (
                 same_tensor(seen, e) if isinstance(e, torch.Tensor) and isinstance(seen, torch.Tensor)
                 else isinstance(e, type) and isinstance(seen, e))}
@@ -344,7 +349,7 @@ class Runner:
         for op in ops:
             self._running[actor] = op.describe()
             try:
-                await asyncio.wait_for(self._async_op(op, a), OP_TIMEOUT_S)
+                await asyncio.wait_for(self._async_op(op, a), self.op_timeout_s)
             except asyncio.TimeoutError:
                 raise _Hang(op.describe()) from None
             except _Stop:
@@ -385,7 +390,7 @@ class Runner:
                                       name=f"modelcheck-actor-{actor}")
                 th.start()
                 threads.append(th)
-        deadline = time.monotonic() + 2 * OP_TIMEOUT_S
+        deadline = time.monotonic() + 2 * self.op_timeout_s
         for f in futures:
             try:
                 f.result(timeout=max(0.0, deadline - time.monotonic()))
@@ -512,7 +517,7 @@ class Runner:
 
         th = threading.Thread(target=step, daemon=True, name="modelcheck-barrier")
         th.start()
-        th.join(2 * OP_TIMEOUT_S)
+        th.join(2 * self.op_timeout_s)
         if th.is_alive():
             raise _Hang(f"{what} did not return")
         if error:
@@ -582,12 +587,16 @@ class Runner:
             self._check_committed(r, "final read-only reopen")
 
 
-def run_program(program: Program, root: str) -> Outcome:
-    """Run ``program`` on a fresh store under ``root`` and return its Outcome."""
-    return Runner(program, root).run()
+def run_program(program: Program, root: str, op_timeout_s: float = OP_TIMEOUT_S) -> Outcome:
+    """Run ``program`` on a fresh store under ``root`` and return its Outcome.
+
+    A call (or barrier) that takes longer than ``op_timeout_s`` (twice that for a phase) hangs.
+    """
+    return Runner(program, root, op_timeout_s).run()
 
 
-def shrink(program: Program, root: str, budget_s: float = 60.0, tries: int = 2) -> Program:
+def shrink(program: Program, root: str, budget_s: float = 60.0, tries: int = 2,
+           op_timeout_s: float = OP_TIMEOUT_S) -> Program:
     """A smaller program that still fails: drop phases, then single calls, while it fails.
 
     Concurrency makes a failure flaky, so a candidate counts as failing if any of ``tries``
@@ -596,7 +605,7 @@ def shrink(program: Program, root: str, budget_s: float = 60.0, tries: int = 2) 
     deadline = time.monotonic() + budget_s
 
     def fails(p: Program) -> bool:
-        return any(not run_program(p, root).ok for _ in range(tries))
+        return any(not run_program(p, root, op_timeout_s).ok for _ in range(tries))
 
     best = program
     changed = True
