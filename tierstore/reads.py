@@ -228,8 +228,15 @@ class ReadPath:
         if task is None:
             task = asyncio.get_running_loop().create_task(self._disk_read(rec, i, cache))
             self._reads[cid] = task
-            task.add_done_callback(lambda _t: self._reads.pop(cid, None))
+            task.add_done_callback(lambda t: self._read_settled(cid, t))
         return await asyncio.shield(task)
+
+    def _read_settled(self, cid: tuple[int, int], task: asyncio.Task[torch.Tensor]) -> None:
+        self._reads.pop(cid, None)
+        if not task.cancelled():
+            # mark a failure retrieved: every reader awaiting it may have been cancelled, and
+            # asyncio would log "Task exception was never retrieved" (found by tools.modelcheck)
+            task.exception()
 
     async def _disk_read(self, rec: GenRecord, i: int, cache: str) -> torch.Tensor:
         cid = (rec.generation, i)

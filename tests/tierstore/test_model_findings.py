@@ -82,3 +82,33 @@ def test_close_lets_cancelled_prefetches_unwind(tmp_path) -> None:
         del s, loop
         gc.collect()
     assert errors == []
+
+
+def test_a_cancelled_get_leaves_no_unretrieved_disk_error(tmp_path) -> None:
+    """Checked because a harness like this one found it before, and it reproduced here: a get
+    of a compressed tensor shares its chunk reads through shielded tasks; when the get is
+    cancelled and the read then fails, nobody retrieved the DiskError and asyncio logged
+    "Task exception was never retrieved"."""
+    errors: list[str] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx["message"]))
+        s = await tierstore.open_async(tmp_path / "s", mode="w", **OPTS)
+        await s.put("z", torch.arange(200, dtype=torch.int32), codec="zstd")
+        await s.close()
+        for trial in range(8):
+            s = await tierstore.open_async(tmp_path / "s", mode="r", **OPTS)
+            s.inject_faults(FaultPlan(fail_sites={"read"}))
+            task = loop.create_task(s.get("z"))
+            for _ in range(trial % 4):  # cancel before, while and after the reads start
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, tierstore.DiskError):
+                await task
+            await s.close()
+        gc.collect()
+
+    asyncio.run(main())
+    gc.collect()
+    assert errors == []

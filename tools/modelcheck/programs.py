@@ -206,7 +206,9 @@ def _faults(rng: random.Random, feats: set[str]) -> dict | None:
     r = rng.random()
     if "full_disk" in feats and r < 0.2:
         return {"fail_sites": ["write"], "error": "ENOSPC"}
-    if "faults" in feats and r < 0.45:
+    if "faults" in feats and r < 0.28:
+        return {"fail_sites": ["read"], "error": "EIO"}  # a bad disk region: every read fails
+    if "faults" in feats and r < 0.5:
         sites = sorted(rng.sample(FAULT_SITES, rng.randint(1, 3)))
         return {"fail_calls": sorted(rng.sample(range(30), rng.randint(1, 4))), "sites": sites,
                 "error": rng.choice(("EIO", "ENOSPC"))}
