@@ -55,6 +55,15 @@ _SYNC_ON_WRITE_BYTES = 1 << 20  # larger files are fdatasync'd by the write-behi
 _STORE_ENTRIES = {"LOCK", "catalog", "data"}
 
 
+async def _settle(tasks: list[asyncio.Task[Any]]) -> list[BaseException]:
+    """Wait for ``tasks`` without cancelling them if the caller is cancelled (unlike ``gather``);
+    return their failures (a cancellation counts), each retrieved so that asyncio logs none."""
+    if tasks:
+        await asyncio.wait(tasks)
+    return [asyncio.CancelledError() if t.cancelled() else t.exception() for t in tasks
+            if t.cancelled() or t.exception() is not None]  # type: ignore[misc]
+
+
 class AsyncStore(ReadPath):
     """A tiered tensor store; use ``tierstore.open_async`` to get one."""
 
@@ -190,9 +199,7 @@ class AsyncStore(ReadPath):
                 t.cancel()
             # let them (and the disk reads they started) unwind: a task still pending when the
             # sync facade stops its loop is destroyed mid-await (found by tools.modelcheck)
-            unwinding = [*background, *self._reads.values()]
-            if unwinding:
-                await asyncio.wait(unwinding)
+            await _settle([*background, *self._reads.values()])
             self._closed = True
             self._window.clear()
             self._release_files()
@@ -457,20 +464,18 @@ class AsyncStore(ReadPath):
         the write-behind (or retirements) it waits for (found by tools.modelcheck).
         """
         if self._retiring:
-            await asyncio.wait(list(self._retiring))
+            await _settle(list(self._retiring))
         for gen in list(self._writes):
             tasks = list(self._writes.get(gen, []))
-            if tasks:
-                await asyncio.wait(tasks)
-            if all(not t.cancelled() and t.exception() is None for t in tasks):
+            if not await _settle(tasks):
                 continue
             rec = next((r for r in self._head.values() if r.generation == gen), None)
             if rec is None:
                 continue  # superseded meanwhile: nothing to save
             retry = self._writes[gen] = [self._spawn(t) for t in await self._rewrite(rec)]
-            await asyncio.wait(retry)
-            for t in retry:
-                t.result()  # the first failure of the retry fails the commit
+            failures = await _settle(retry)
+            if failures:
+                raise failures[0]  # the first failure of the retry fails the commit
 
     async def _rewrite(self, rec: GenRecord) -> list[Any]:
         """Write coroutines for every file of ``rec`` whose data is still dirty in RAM."""
