@@ -204,7 +204,7 @@ def _actor_op(rng: random.Random, actor: int, is_async: bool, all_keys: list[str
 
 def _faults(rng: random.Random, feats: set[str]) -> dict | None:
     r = rng.random()
-    if "full_disk" in feats and r < 0.2:
+    if "full_disk" in feats and r < 0.4:
         return {"fail_sites": ["write"], "error": "ENOSPC"}
     if "faults" in feats and r < 0.28:
         return {"fail_sites": ["read"], "error": "EIO"}  # a bad disk region: every read fails
@@ -259,6 +259,9 @@ def generate(seed: int, features: tuple[str, ...] | None = None, max_phases: int
         if rng.random() < 0.3:
             barriers.append(Op("check"))
         phases.append(Phase(tuple(ops), tuple(barriers), _faults(rng, feats)))
+    if "cross_reads" in feats:
+        # a racing read reaches the disk only for chunks evicted from RAM: keep the budget tight
+        config["ram_budget"] = 4 * max(chunk, 64)
     if "full_disk" not in feats and any(_fails_writes(ph.faults) for ph in phases):
         # failed write-behinds keep their chunks dirty in RAM until a commit retries them; in a
         # tight budget a read that needs RAM then waits forever (issue 10 defect 5, KNOWN)
