@@ -61,4 +61,6 @@ def test_known_defect_variants(root, feature, request) -> None:
     # each feature stays in the harness; its variant turns strict once its defect is fixed
     request.applymarker(pytest.mark.xfail(
         strict=False, reason=f"issue 10 defect {KNOWN[feature]} (fixed on branch store-core)"))
-    run_batch(root, range(100_000, 100_200), (*BASE, feature), shrink_s=0.0, op_timeout_s=3.0)
+    # 50 programs each; seed 100204 of full_disk hangs on today's code (defect 5). The other two
+    # hit their defect about once in 300 longer programs (``tools.fuzz_store --features``)
+    run_batch(root, range(100_180, 100_230), (*BASE, feature), shrink_s=0.0, op_timeout_s=3.0)

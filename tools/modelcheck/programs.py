@@ -243,6 +243,16 @@ def generate(seed: int, features: tuple[str, ...] | None = None, max_phases: int
     all_keys = sorted(k for a in range(len(actors)) for k in owned_keys(a))
     vids = [0]
     phases = []
+    if feats & set(KNOWN):
+        # the known defects need committed data that is no longer in RAM: every actor puts all
+        # its keys (mostly compressed), then a commit and reopen empties the RAM tier
+        setup = []
+        for a in range(len(actors)):
+            for key in owned_keys(a):
+                vids[0] += 1
+                setup.append(Op("put", a, key, vid=vids[0], shape=(rng.randint(4, 12), 4),
+                                dtype="float32", codec=rng.choice(("zstd", "zstd", "raw"))))
+        phases.append(Phase(tuple(setup), (Op("reopen", commit=True),)))
     for _ in range(rng.randint(1, max_phases)):
         ops = []
         for a, kind in enumerate(actors):
