@@ -15,6 +15,7 @@ import concurrent.futures
 import dataclasses
 import errno
 import gc
+import itertools
 import os
 import random
 import shutil
@@ -34,6 +35,7 @@ from tools.modelcheck.model import ABSENT, Model, consistent, same_tensor
 from tools.modelcheck.programs import Op, Program, without, without_phase
 
 OP_TIMEOUT_S = 10.0
+_RUNS = itertools.count()
 READ_KINDS = ("get", "slice", "gather")
 
 #: (seed, message) of event-loop errors (e.g. "Task exception was never retrieved") reported
@@ -146,7 +148,8 @@ class Runner:
     def __init__(self, program: Program, root: str, op_timeout_s: float = OP_TIMEOUT_S):
         self.p = program
         self.op_timeout_s = op_timeout_s
-        self.path = os.path.join(root, f"store-{program.seed}")
+        # a fresh folder per run: a hung run's abandoned store keeps its folder's LOCK
+        self.path = os.path.join(root, f"store-{program.seed}-{next(_RUNS)}")
         self.model = Model(program)
         self.store: tierstore.Store | None = None
         self.faulty = False  # a fault phase ran since the last good commit: failures may linger
