@@ -7,6 +7,8 @@ import re
 from tierstore.errors import InvalidKey
 
 MAX_KEY_BYTES = 512
+#: a key segment becomes a folder name: file systems cap a name at 255 bytes (NAME_MAX)
+MAX_SEGMENT_BYTES = 255
 _ALLOWED = re.compile(r"[A-Za-z0-9._/-]+")
 _BAD_CHAR = re.compile(r"[^A-Za-z0-9._/-]")
 
@@ -25,11 +27,18 @@ def validate_key(key: object) -> str:
         raise InvalidKey(
             f"key {key[:80]!r} holds {bad.group()!r} at {bad.start()}; allowed: A-Z a-z 0-9 . _ / -"
         )
-    for seg in key.split("/"):
+    segments = key.split("/")
+    for i, seg in enumerate(segments):
         if seg == "":
             raise InvalidKey(f"key {key!r} has an empty segment (leading, trailing or double '/')")
         if seg in (".", ".."):
             raise InvalidKey(f"key {key!r} has a {seg!r} segment")
+        # refused at put: a name the file system refuses would fail every later commit
+        n = len(seg.encode("utf-8"))
+        if n > MAX_SEGMENT_BYTES:
+            raise InvalidKey(f"key {key[:60]!r}...: segment {i} is {n} bytes long; a segment is a "
+                             f"file name and may be at most {MAX_SEGMENT_BYTES} bytes; split it "
+                             "with '/'")
     return key
 
 
@@ -37,8 +46,17 @@ def generation_relpath(key: str, generation: int) -> str:
     """The folder of one generation of ``key``, relative to the data root.
 
     ``@`` is not a key character, so ``a@3`` can never collide with another key's folder.
+    The last segment plus ``@<generation>`` is one file name, so it too must fit the limit: a
+    put checks this before it writes anything (``InvalidKey``), rather than failing every later
+    commit.
     """
     validate_key(key)
+    last = key.rpartition("/")[2]
+    name = f"{last}@{generation}"
+    if len(name.encode("utf-8")) > MAX_SEGMENT_BYTES:
+        raise InvalidKey(f"key {key[:60]!r}...: its last segment ({len(last.encode())} bytes) "
+                         f"plus the suffix '@{generation}' makes a folder name over the "
+                         f"{MAX_SEGMENT_BYTES}-byte file-name limit; shorten it or split it with '/'")
     return f"{key}@{generation}"
 
 

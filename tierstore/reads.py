@@ -168,25 +168,29 @@ class ReadPath:
             await self._fill(rec, [(start * row_numel, stop * row_numel, 0)], out.reshape(-1))
             return out
         idx = self._row_index(rec, index, rows)
-        scalar = isinstance(index, int) or (isinstance(index, torch.Tensor) and index.dim() == 0)
-        uniq, inverse = torch.unique(idx, return_inverse=True)
+        flat = idx.reshape(-1)
+        uniq, inverse = torch.unique(flat, return_inverse=True)
         tmp = torch.empty((len(uniq), *shape[1:]), dtype=rec.decoded_dtype)
         ranges = [(r * row_numel, (r + 1) * row_numel, j * row_numel) for j, r in enumerate(uniq.tolist())]
         await self._fill(rec, ranges, tmp.reshape(-1))
-        out = tmp if len(uniq) == len(idx) and torch.equal(uniq, idx) else tmp[inverse]
-        return out[0] if scalar else out
+        out = tmp if len(uniq) == len(flat) and torch.equal(uniq, flat) else tmp[inverse]
+        # torch semantics: rows of index shape S give S + shape[1:]; an integer (0-d) drops dim 0
+        return out.reshape((*idx.shape, *shape[1:]))
 
     @staticmethod
     def _row_index(rec: GenRecord, index: Any, rows: int) -> torch.Tensor:
+        """The rows ``index`` names, as int64 in the index's own shape, negatives resolved."""
         if isinstance(index, bool):
             raise InvalidIndex(f"a bool is not a row index of {rec.key!r}")
         try:
             idx = torch.as_tensor(index)
         except (TypeError, ValueError, RuntimeError) as e:
             raise InvalidIndex(f"index of {rec.key!r} must be a slice, an int or int rows: {e}") from None
+        if idx.numel() == 0 and not isinstance(index, torch.Tensor):
+            idx = idx.to(torch.int64)  # [] is float to torch.as_tensor, and selects no rows
         if idx.dtype in (torch.bool,) or idx.dtype.is_floating_point or idx.dtype.is_complex:
             raise InvalidIndex(f"row indices of {rec.key!r} must be integers, got {idx.dtype}")
-        idx = idx.reshape(-1).to(torch.int64)
+        idx = idx.to(torch.int64)
         if idx.numel() and (int(idx.min()) < -rows or int(idx.max()) >= rows):
             raise InvalidIndex(f"row index out of range for {rec.key!r} with {rows} rows")
         return torch.where(idx < 0, idx + rows, idx)
@@ -256,8 +260,15 @@ class ReadPath:
         if task is None:
             task = asyncio.get_running_loop().create_task(self._disk_read(rec, i, cache))
             self._reads[cid] = task
-            task.add_done_callback(lambda _t: self._reads.pop(cid, None))
+            task.add_done_callback(lambda t: self._read_settled(cid, t))
         return await asyncio.shield(task)
+
+    def _read_settled(self, cid: tuple[int, int], task: asyncio.Task[torch.Tensor]) -> None:
+        self._reads.pop(cid, None)
+        if not task.cancelled():
+            # mark a failure retrieved: every reader awaiting it may have been cancelled, and
+            # asyncio would log "Task exception was never retrieved" (found by tools.modelcheck)
+            task.exception()
 
     async def _disk_read(self, rec: GenRecord, i: int, cache: str) -> torch.Tensor:
         cid = (rec.generation, i)

@@ -86,6 +86,11 @@ def _entry(name: str, raw: Any, data_len: int, data_start: int) -> TensorEntry:
             isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
         raise MalformedFile(f"tensor {name!r}: data_offsets must be [begin, end] ints, "
                              f"got {offsets!r:.100}")
+    # torch sizes are int64: a zero-size tensor passes the byte check below whatever its other
+    # dims, so bound the product of the non-zero ones (torch multiplies them in any order)
+    if math.prod(d for d in shape if d) >= 2**63:
+        raise MalformedFile(f"tensor {name!r}: shape {shape!r:.100} has dimensions too large for "
+                             "a tensor (their product must be below 2**63)")
     begin, end = offsets
     if not 0 <= begin <= end <= data_len:
         raise MalformedFile(f"tensor {name!r}: data_offsets [{begin}, {end}] are outside the "

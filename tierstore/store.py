@@ -55,6 +55,15 @@ _SYNC_ON_WRITE_BYTES = 1 << 20  # larger files are fdatasync'd by the write-behi
 _STORE_ENTRIES = {"LOCK", "catalog", "data"}
 
 
+async def _settle(tasks: list[asyncio.Task[Any]]) -> list[BaseException]:
+    """Wait for ``tasks`` without cancelling them if the caller is cancelled (unlike ``gather``);
+    return their failures (a cancellation counts), each retrieved so that asyncio logs none."""
+    if tasks:
+        await asyncio.wait(tasks)
+    return [asyncio.CancelledError() if t.cancelled() else t.exception() for t in tasks
+            if t.cancelled() or t.exception() is not None]  # type: ignore[misc]
+
+
 class AsyncStore(ReadPath):
     """A tiered tensor store; use ``tierstore.open_async`` to get one."""
 
@@ -186,8 +195,12 @@ class AsyncStore(ReadPath):
             # let in-flight I/O settle; failures no longer matter: nothing uncommitted survives
             pending = [t for ts in self._writes.values() for t in ts] + list(self._retiring)
             await asyncio.gather(*pending, return_exceptions=True)
-            for t in list(self._background):
+            background = list(self._background)
+            for t in background:
                 t.cancel()
+            # let them (and the disk reads they started) unwind: a task still pending when the
+            # sync facade stops its loop is destroyed mid-await (found by tools.modelcheck)
+            await _settle([*background, *self._reads.values()])
             self._closed = True
             self._window.clear()
             self._release_files()
@@ -262,6 +275,7 @@ class AsyncStore(ReadPath):
         assert self.config.chunk_bytes is not None
         grid = ChunkGrid.plan(tuple(t.shape), t.element_size(), self.config.chunk_bytes)
         gen = self._next_gen
+        self._disk.generation_dir(key, gen)  # InvalidKey now if its folder name is too long
         self._next_gen += 1
         t0 = time.perf_counter()
         try:
@@ -445,20 +459,24 @@ class AsyncStore(ReadPath):
     # ---------------------------------------------------------------- commit
 
     async def _drain_writes(self) -> None:
-        """Wait for every pending chunk write; retry failed ones once (e.g. after ENOSPC)."""
+        """Wait for every pending chunk write; retry failed ones once (e.g. after ENOSPC).
+
+        ``asyncio.wait`` on a snapshot, never ``gather``: cancelling a commit must not cancel
+        the write-behind (or retirements) it waits for (found by tools.modelcheck).
+        """
         if self._retiring:
-            await asyncio.gather(*list(self._retiring), return_exceptions=True)
+            await _settle(list(self._retiring))
         for gen in list(self._writes):
-            tasks = self._writes.get(gen, [])
-            results = await asyncio.gather(*tasks, return_exceptions=True)
-            errors = [r for r in results if isinstance(r, BaseException)]
-            if not errors:
+            tasks = list(self._writes.get(gen, []))
+            if not await _settle(tasks):
                 continue
             rec = next((r for r in self._head.values() if r.generation == gen), None)
             if rec is None:
                 continue  # superseded meanwhile: nothing to save
-            self._writes[gen] = [self._spawn(t) for t in await self._rewrite(rec)]
-            await asyncio.gather(*self._writes[gen])
+            retry = self._writes[gen] = [self._spawn(t) for t in await self._rewrite(rec)]
+            failures = await _settle(retry)
+            if failures:
+                raise failures[0]  # the first failure of the retry fails the commit
 
     async def _rewrite(self, rec: GenRecord) -> list[Any]:
         """Write coroutines for every file of ``rec`` whose data is still dirty in RAM."""

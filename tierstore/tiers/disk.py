@@ -177,8 +177,11 @@ class DiskTier:
     def sync_paths(self, paths: Sequence[str]) -> None:
         """Make files and folders durable: one ``syncfs`` for many paths, else fsync each."""
         if len(paths) > _SYNCFS_ABOVE and _syncfs is not None:
-            self.check_faults("fsync", self.data_dir)
-            fd = os.open(self.data_dir, os.O_RDONLY)
+            try:
+                self.check_faults("fsync", self.data_dir)
+                fd = os.open(self.data_dir, os.O_RDONLY)
+            except OSError as e:  # found by tools.modelcheck: a bare OSError escaped commit()
+                raise DiskError(f"syncfs of {self.data_dir} failed: {e.strerror}") from e
             try:
                 if _syncfs(fd) != 0:
                     err = ctypes.get_errno()
