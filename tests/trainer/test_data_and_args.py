@@ -117,3 +117,20 @@ def test_schedules_match_transformers(kind: str, warmup: float) -> None:
         assert learning_rate_at(args, step, total) == opt.param_groups[0]["lr"], (kind, step)
         opt.step()
         sched.step()
+
+
+def test_moment_codec_policy_warns_off_goal_codecs() -> None:
+    """Codecs whose measured loss gap misses the goal are opt-in with a warning naming the gap."""
+    import warnings
+
+    from trainer.optimizer import MOMENT_CODEC_GAPS, moment_codec_name
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default and in-goal codecs stay silent
+        assert moment_codec_name(True) == "q4"
+        assert moment_codec_name(None) == "raw"
+        assert moment_codec_name("q8") == "q8"
+    gap, goal = MOMENT_CODEC_GAPS["q2"]
+    assert abs(gap) > goal
+    with pytest.warns(UserWarning, match=rf"'q2'.*{gap * 100:+.2f}%.*3% goal"):
+        assert moment_codec_name("q2") == "q2"
