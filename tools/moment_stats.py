@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from tierstore import codecs
+from tierstore.codecs import quant
 from tierstore.codecs.policy import choose_codec
 from tools.moments import byte_batches, lm_loss, stdlib_bytes, tiny_model
 
@@ -160,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of weights and data order")
     ap.add_argument("--beta2", type=float, default=0.95,
                     help="AdamW beta2 (bench_convergence's 0.95; the trainer defaults to 0.999)")
+    ap.add_argument("--v-target", choices=("log2", "value", "rsqrt"), default="log2",
+                    help="ablation: what v's stochastic rounding is unbiased in (the codecs: log2)")
     args = ap.parse_args(argv)
     configs = [f"{c}:{r}" + ("" if part == "mv" else f":{part}")
                for c in args.codecs.split(",") if c for r in args.roundings.split(",") if r
@@ -173,9 +176,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error("--steps must be at least 2")
     params = sum(p.numel() for p in tiny_model(args.hidden, args.layers, args.seed).parameters())
     print(f"model: {params / 1e6:.2f}M params, {args.steps} steps, lr {args.lr}, beta2 {args.beta2}, "
-          f"seed {args.seed}")
-    stats = collect(configs, args.steps, args.hidden, args.layers, args.batch, args.seq, args.lr,
-                    args.seed, beta2=args.beta2)
+          f"seed {args.seed}, v rounding unbiased in {args.v_target}")
+    saved, quant.V_STOCHASTIC_TARGET = quant.V_STOCHASTIC_TARGET, args.v_target
+    try:  # set before any kernel of this process is compiled (compiled ones keep their value)
+        stats = collect(configs, args.steps, args.hidden, args.layers, args.batch, args.seq,
+                        args.lr, args.seed, beta2=args.beta2)
+    finally:
+        quant.V_STOCHASTIC_TARGET = saved
     cols = ("ratio", "cos", "ratio1", "cos1", "m_gain", "m_err", "isqrt", "v_gain", "drift")
     print(f"{'codec':>18} " + " ".join(f"{k:>7}" for k in cols))
     for c in configs:
