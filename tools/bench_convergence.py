@@ -19,12 +19,16 @@ paired runs of the same codec differ by 1-3% from seed to seed at the defaults. 
 Grid: ``--sizes 128x4,256x4,384x6,512x8`` (``HIDDENxLAYERS`` each: 1.1M, 4.3M, 10.7M and 25.3M
 parameters) and ``--lrs 1e-3,3e-3`` run every cell with the same seeds and print one table per
 cell, then the worst cell of each codec; ``--png FILE`` draws every cell's loss curves (the
-mean over seeds, smoothed) of each codec against fp32 (needs matplotlib).
+mean over seeds, smoothed) of each codec against fp32 (needs matplotlib). ``--runs-jsonl FILE``
+appends every finished run (its cell, seed, losses and curve) to FILE as it ends, and
+``--from-jsonl FILE`` prints the tables (and ``--png``) of the runs in FILE without training:
+a grid cut short, or split over several processes, still reports what finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -110,12 +114,15 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
 
 
 def gap_table(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, tuple[float, float, float, int]]]:
-    """codec -> key -> (mean gap, min gap, max gap, index of the worst seed) against fp32."""
-    base = runs["fp32"]
+    """codec -> key -> (mean gap, min gap, max gap, index of the worst seed) against fp32.
+
+    Runs pair with the fp32 run of the same ``seed`` (by position when they carry none).
+    """
+    base = {r.get("seed", i): r for i, r in enumerate(runs["fp32"])}
     out: dict[str, dict[str, tuple[float, float, float, int]]] = {}
     for name, rs in runs.items():
         for key in ("train", "held-out"):
-            gaps = [_gap(r, b, key) for r, b in zip(rs, base, strict=True)]
+            gaps = [_gap(r, base[r.get("seed", i)], key) for i, r in enumerate(rs)]
             worst = max(range(len(gaps)), key=lambda i: abs(gaps[i]))
             out.setdefault(name, {})[key] = (sum(gaps) / len(gaps), min(gaps), max(gaps), worst)
     return out
@@ -176,6 +183,42 @@ def plot_grid(cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]], p
     print(f"wrote {path}")
 
 
+def cells_from_jsonl(path: str) -> dict[tuple[str, float], dict[str, list[dict[str, Any]]]]:
+    """The grid cells of the runs in a ``--runs-jsonl`` file; seeds without an fp32 run are dropped."""
+    by_seed: dict[tuple[str, float], dict[int, dict[str, dict[str, Any]]]] = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                by_seed.setdefault((r["size"], r["lr"]), {}).setdefault(r["seed"], {})[r["codec"]] = r
+    cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]] = {}
+    for key, seeds in by_seed.items():
+        paired = {s: rs for s, rs in sorted(seeds.items()) if "fp32" in rs}
+        names = list(dict.fromkeys(c for rs in paired.values() for c in rs))
+        # a codec is reported over the seeds where it ran, against the same seeds' fp32
+        for name in names:
+            for rs in paired.values():
+                if name in rs:
+                    cell = cells.setdefault(key, {})
+                    cell.setdefault(name, []).append(rs[name])
+    return cells
+
+
+def report(cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]], first_seed: int) -> None:
+    """The worst cell of each codec over the grid, with its worst seed."""
+    names = list(dict.fromkeys(n for runs in cells.values() for n in runs if n != "fp32"))
+    print("worst cell per codec (mean gap over seeds; worst seed's gap):")
+    for name in names:
+        for key in ("train", "held-out"):
+            (label, lr), (mean, lo, hi, worst) = max(
+                ((k, gap_table(r)[name][key]) for k, r in cells.items() if name in r),
+                key=lambda kv: abs(kv[1][0]))
+            w = lo if abs(lo) > abs(hi) else hi
+            seeds = cells[(label, lr)][name]
+            print(f"  {name:>12} {key:>8}: {mean:+.2%} at {label}, lr {lr:g} ({len(seeds)} seeds); "
+                  f"worst seed {seeds[worst].get('seed', first_seed + worst)} {w:+.2%}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Train fp32 and one run per codec for each seed (and grid cell); print the paired gaps."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -194,7 +237,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--lrs", default=None, help="comma-separated peak learning rates of the grid")
     ap.add_argument("--seed", type=int, default=0, help="first seed")
     ap.add_argument("--png", default=None, help="write the loss curves of every cell to this PNG")
+    ap.add_argument("--runs-jsonl", default=None, help="append every finished run to this file")
+    ap.add_argument("--skip-fp32", action="store_true",
+                    help="with --runs-jsonl: run only the codecs (the fp32 runs come from another "
+                         "process writing the same file; fp32 runs are deterministic per seed)")
+    ap.add_argument("--from-jsonl", default=None,
+                    help="report (and plot) the runs of a --runs-jsonl file instead of training")
     args = ap.parse_args(argv)
+    if args.from_jsonl:
+        cells = cells_from_jsonl(args.from_jsonl)
+        for (label, lr), runs in cells.items():
+            seeds = {n: [r["seed"] for r in rs] for n, rs in runs.items()}
+            print(f"model: {label}, lr {lr:g}, seeds per run: {seeds}")
+            print_cell(runs)
+        report(cells, args.seed)
+        if args.png:
+            plot_grid(cells, args.png)
+        return 0
+    if args.skip_fp32 and not args.runs_jsonl:
+        ap.error("--skip-fp32 needs --runs-jsonl: the gaps are reported from the file")
     names = [c for c in args.codecs.split(",") if c]
     for c in names:
         name, _, rounding = c.partition(":")
@@ -216,23 +277,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"seeds {args.seed}..{args.seed + args.seeds - 1}", flush=True)
             runs: dict[str, list[dict[str, Any]]] = {}
             for seed in range(args.seed, args.seed + args.seeds):
-                for c in [None, *names]:
+                for c in names if args.skip_fp32 else [None, *names]:
                     r = train(c, args.steps, hidden, layers, args.batch, args.seq, lr, seed)
+                    r.update(seed=seed, size=label, lr=lr, codec=c or "fp32")
                     runs.setdefault(c or "fp32", []).append(r)
+                    if args.runs_jsonl:
+                        with open(args.runs_jsonl, "a") as f:
+                            f.write(json.dumps(r) + "\n")
                     print(f"  seed {seed} {c or 'fp32'}: train {r['train']:.4f}, held-out "
                           f"{r['held-out']:.4f} ({r['seconds']:.0f}s)", flush=True)
-            print_cell(runs)
-            cells[(label, lr)] = runs
+            if not args.skip_fp32:
+                print_cell(runs)
+                cells[(label, lr)] = runs
     if len(cells) > 1:
-        print("worst cell per codec (mean gap over seeds; worst seed's gap):")
-        for name in names:
-            for key in ("train", "held-out"):
-                (label, lr), (mean, lo, hi, worst) = max(
-                    ((k, gap_table(r)[name][key]) for k, r in cells.items()),
-                    key=lambda kv: abs(kv[1][0]))
-                w = lo if abs(lo) > abs(hi) else hi
-                print(f"  {name:>12} {key:>8}: {mean:+.2%} at {label}, lr {lr:g}; worst seed "
-                      f"{args.seed + worst} {w:+.2%}")
+        report(cells, args.seed)
     if args.png:
         plot_grid(cells, args.png)
     return 0

@@ -75,14 +75,27 @@ def test_parse_sizes() -> None:
 
 @pytest.mark.slow
 def test_bench_convergence_grid_png(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # noqa: ANN001
-    png = tmp_path / "curves.png"
+    png, runs = tmp_path / "curves.png", tmp_path / "runs.jsonl"
     assert bench_convergence.main(["--steps", "4", "--sizes", "32x1,48x1", "--lrs", "1e-3,3e-3",
                                    "--batch", "2", "--seq", "16", "--codecs", "q8",
-                                   "--seeds", "1", "--png", str(png)]) == 0
+                                   "--seeds", "1", "--png", str(png),
+                                   "--runs-jsonl", str(runs)]) == 0
     out = capsys.readouterr().out
     assert out.count("model: ") == 4  # 2 sizes x 2 learning rates
     assert "worst cell per codec" in out and "worst seed 0" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(runs.read_text().splitlines()) == 8  # 4 cells x (fp32, q8)
+    # the same tables again from the saved runs, without training; a cut-short run is dropped
+    with runs.open("a") as f:
+        f.write(runs.read_text().splitlines()[-1].replace('"seed": 0', '"seed": 7') + "\n")
+    png.unlink()
+    assert bench_convergence.main(["--from-jsonl", str(runs), "--png", str(png)]) == 0
+    again = capsys.readouterr().out
+    def table_rows(text: str) -> list[str]:
+        return [ln for ln in text.splitlines() if ln.split()[:1] in (["fp32"], ["q8"])]
+    # 4 cells x (fp32, q8) table rows, then the worst-cell lines (train, held-out)
+    assert len(table_rows(out)) == 10 and table_rows(out) == table_rows(again)
+    assert png.exists()
 
 
 def test_moment_stats_orders_codecs() -> None:
