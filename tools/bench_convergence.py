@@ -16,7 +16,7 @@ fp32 run, with the smallest and largest of those differences. One seed is not en
 paired runs of the same codec differ by 1-3% from seed to seed at the defaults. Goals: within
 1% for q8/q4, 3% for q3/q2.
 
-Grid: ``--sizes 128x4,256x4,384x6,512x8`` (``HIDDENxLAYERS`` each: 1.1M, 4.3M, 10.7M and 25.3M
+Grid: ``--sizes 128x4,256x4,384x6,512x8`` (``HIDDENxLAYERS`` each: 1.1M, 4.3M, 14.4M and 33.8M
 parameters) and ``--lrs 1e-3,3e-3`` run every cell with the same seeds and print one table per
 cell, then the worst cell of each codec; ``--png FILE`` draws every cell's loss curves (the
 mean over seeds, smoothed) of each codec against fp32 (needs matplotlib). ``--runs-jsonl FILE``

@@ -126,11 +126,13 @@ def test_moment_codec_policy_warns_off_goal_codecs() -> None:
     from trainer.optimizer import MOMENT_CODEC_GAPS, moment_codec_name
 
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the default and in-goal codecs stay silent
-        assert moment_codec_name(True) == "q4"
+        warnings.simplefilter("error")  # raw and the in-goal codec stay silent
         assert moment_codec_name(None) == "raw"
         assert moment_codec_name("q8") == "q8"
-    gap, goal = MOMENT_CODEC_GAPS["q2"]
-    assert abs(gap) > goal
-    with pytest.warns(UserWarning, match=rf"'q2'.*{gap * 100:+.2f}%.*3% goal"):
-        assert moment_codec_name("q2") == "q2"
+    for name, goal_text in (("q2", "3% goal"), ("q4", "1% goal")):
+        gap, goal = MOMENT_CODEC_GAPS[name]
+        assert abs(gap) > goal
+        with pytest.warns(UserWarning, match=rf"'{name}'.*{gap * 100:+.2f}%.*{goal_text}"):
+            assert moment_codec_name(name) == name
+    with pytest.warns(UserWarning, match="'q4'"):  # the default (True) is q4, which warns too
+        assert moment_codec_name(True) == "q4"
