@@ -129,7 +129,7 @@ def test_moment_codec_policy_warns_off_goal_codecs() -> None:
         warnings.simplefilter("error")  # raw and the in-goal codec stay silent
         assert moment_codec_name(None) == "raw"
         assert moment_codec_name("q8") == "q8"
-    for name, goal_text in (("q2", "3% goal"), ("q4", "1% goal")):
+    for name, goal_text in (("q2", "3% goal"), ("q3", "3% goal"), ("q4", "1% goal")):
         gap, goal = MOMENT_CODEC_GAPS[name]
         assert abs(gap) > goal
         with pytest.warns(UserWarning, match=rf"'{name}'.*{gap * 100:+.2f}%.*{goal_text}"):
