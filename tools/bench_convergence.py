@@ -14,14 +14,24 @@ loss (mean of the last 10% of steps) and the held-out loss on fixed batches from
 never trained on, each as the mean over seeds of the relative difference to the same seed's
 fp32 run, with the smallest and largest of those differences. One seed is not enough: single
 paired runs of the same codec differ by 1-3% from seed to seed at the defaults. Goals: within
-1% for q8/q4, 3% for q2.
+1% for q8/q4, 3% for q3/q2.
+
+Grid: ``--sizes 128x4,256x4,384x6,512x8`` (``HIDDENxLAYERS`` each: 1.1M, 4.3M, 14.4M and 33.8M
+parameters) and ``--lrs 1e-3,3e-3`` run every cell with the same seeds and print one table per
+cell, then the worst cell of each codec; ``--png FILE`` draws every cell's loss curves (the
+mean over seeds, smoothed) of each codec against fp32 (needs matplotlib). ``--runs-jsonl FILE``
+appends every finished run (its cell, seed, losses and curve) to FILE as it ends, and
+``--from-jsonl FILE`` prints the tables (and ``--png``) of the runs in FILE without training:
+a grid cut short, or split over several processes, still reports what finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -53,7 +63,7 @@ def round_trip_states(opt: torch.optim.Optimizer, requested: str) -> tuple[int, 
 
 
 def train(requested: str | None, steps: int, hidden: int, layers: int, batch: int, seq: int,
-          lr: float, seed: int) -> dict[str, float]:
+          lr: float, seed: int) -> dict[str, Any]:
     """One run; ``requested`` None means plain fp32 AdamW."""
     text = stdlib_bytes(3_000_000)
     split = int(text.numel() * 0.9)
@@ -66,7 +76,8 @@ def train(requested: str | None, steps: int, hidden: int, layers: int, batch: in
     # a fixed held-out set, the same for every seed, so runs compare on identical text
     held = byte_batches(eval_text, batch, seq, seed=12345)
     eval_batches = [next(held) for _ in range(8)]
-    losses, share = [], (0, 1)
+    losses: list[float] = []
+    share = (0, 1)
     t0 = time.perf_counter()
     for _ in range(steps):
         x, y = next(batches)
@@ -83,55 +94,205 @@ def train(requested: str | None, steps: int, hidden: int, layers: int, batch: in
         held_out = sum(float(lm_loss(model, x, y)) for x, y in eval_batches) / len(eval_batches)
     tail = losses[-max(1, steps // 10):]
     return {"train": sum(tail) / len(tail), "held-out": held_out,
-            "quantized": share[0] / share[1], "seconds": time.perf_counter() - t0}
+            "quantized": share[0] / share[1], "seconds": time.perf_counter() - t0,
+            "curve": losses}
 
 
-def _gap(run: dict[str, float], base: dict[str, float], key: str) -> float:
+def _gap(run: dict[str, Any], base: dict[str, Any], key: str) -> float:
     return (run[key] - base[key]) / base[key]
 
 
+def parse_sizes(text: str) -> list[tuple[int, int]]:
+    """``"128x4,256x4"`` -> [(128, 4), (256, 4)]; ValueError naming a bad entry."""
+    out = []
+    for item in text.split(","):
+        hidden, sep, layers = item.strip().partition("x")
+        if not (sep and hidden.isdigit() and layers.isdigit() and int(hidden) > 0 and int(layers) > 0):
+            raise ValueError(f"size {item!r} is not HIDDENxLAYERS, e.g. 256x4")
+        out.append((int(hidden), int(layers)))
+    return out
+
+
+def gap_table(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, tuple[float, float, float, int]]]:
+    """codec -> key -> (mean gap, min gap, max gap, index of the worst seed) against fp32.
+
+    Runs pair with the fp32 run of the same ``seed`` (by position when they carry none).
+    """
+    base = {r.get("seed", i): r for i, r in enumerate(runs["fp32"])}
+    out: dict[str, dict[str, tuple[float, float, float, int]]] = {}
+    for name, rs in runs.items():
+        for key in ("train", "held-out"):
+            gaps = [_gap(r, base[r.get("seed", i)], key) for i, r in enumerate(rs)]
+            worst = max(range(len(gaps)), key=lambda i: abs(gaps[i]))
+            out.setdefault(name, {})[key] = (sum(gaps) / len(gaps), min(gaps), max(gaps), worst)
+    return out
+
+
+def print_cell(runs: dict[str, list[dict[str, Any]]]) -> None:
+    """One table: per codec, mean losses and the mean (min..max) paired gap to fp32."""
+    table = gap_table(runs)
+    print(f"{'codec':>12} {'quantized':>9} {'train':>7} {'vs fp32 (min..max)':>24} "
+          f"{'held-out':>8} {'vs fp32 (min..max)':>24}")
+    for name, rs in runs.items():
+        row = [f"{name:>12} {rs[0]['quantized']:>9.3f}"]
+        for key in ("train", "held-out"):
+            mean, lo, hi, _ = table[name][key]
+            mean_loss = sum(r[key] for r in rs) / len(rs)
+            spread = f"{mean:+.2%} ({lo:+.2%}..{hi:+.2%})"
+            row.append(f"{mean_loss:>{7 if key == 'train' else 8}.4f} {spread:>24}")
+        print(" ".join(row))
+
+
+def _smooth(xs: list[float], width: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x
+        if i >= width:
+            acc -= xs[i - width]
+        out.append(acc / min(i + 1, width))
+    return out
+
+
+def plot_grid(cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]], path: str) -> None:
+    """Loss curves (mean over seeds, smoothed) of every codec vs fp32, one panel per cell."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit(f"--png needs matplotlib, which does not import: {e}") from e
+    sizes = list(dict.fromkeys(k[0] for k in cells))
+    lrs = list(dict.fromkeys(k[1] for k in cells))
+    fig, axes = plt.subplots(len(sizes), len(lrs), figsize=(5 * len(lrs), 3.2 * len(sizes)),
+                             squeeze=False)
+    for (size, lr), runs in cells.items():
+        ax = axes[sizes.index(size)][lrs.index(lr)]
+        for name, rs in runs.items():
+            n = len(rs[0]["curve"])
+            mean = [sum(r["curve"][i] for r in rs) / len(rs) for i in range(n)]
+            ax.plot(_smooth(mean, max(1, n // 30)), label=name,
+                    lw=2.0 if name == "fp32" else 1.0, color="black" if name == "fp32" else None)
+        ax.set_title(f"{size}, lr {lr:g}, {len(next(iter(runs.values())))} seeds", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("train loss")
+        ax.set_ylim(top=min(3.5, ax.get_ylim()[1]))
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    print(f"wrote {path}")
+
+
+def cells_from_jsonl(path: str) -> dict[tuple[str, float], dict[str, list[dict[str, Any]]]]:
+    """The grid cells of the runs in a ``--runs-jsonl`` file; seeds without an fp32 run are dropped."""
+    by_seed: dict[tuple[str, float], dict[int, dict[str, dict[str, Any]]]] = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                by_seed.setdefault((r["size"], r["lr"]), {}).setdefault(r["seed"], {})[r["codec"]] = r
+    cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]] = {}
+    for key, seeds in by_seed.items():
+        paired = {s: rs for s, rs in sorted(seeds.items()) if "fp32" in rs}
+        names = list(dict.fromkeys(c for rs in paired.values() for c in rs))
+        # a codec is reported over the seeds where it ran, against the same seeds' fp32
+        for name in names:
+            for rs in paired.values():
+                if name in rs:
+                    cell = cells.setdefault(key, {})
+                    cell.setdefault(name, []).append(rs[name])
+    return cells
+
+
+def report(cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]], first_seed: int) -> None:
+    """The worst cell of each codec over the grid, with its worst seed."""
+    names = list(dict.fromkeys(n for runs in cells.values() for n in runs if n != "fp32"))
+    print("worst cell per codec (mean gap over seeds; worst seed's gap):")
+    for name in names:
+        for key in ("train", "held-out"):
+            (label, lr), (mean, lo, hi, worst) = max(
+                ((k, gap_table(r)[name][key]) for k, r in cells.items() if name in r),
+                key=lambda kv: abs(kv[1][0]))
+            w = lo if abs(lo) > abs(hi) else hi
+            seeds = cells[(label, lr)][name]
+            print(f"  {name:>12} {key:>8}: {mean:+.2%} at {label}, lr {lr:g} ({len(seeds)} seeds); "
+                  f"worst seed {seeds[worst].get('seed', first_seed + worst)} {w:+.2%}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Train fp32 and one run per codec for each seed; print the paired gaps to fp32."""
+    """Train fp32 and one run per codec for each seed (and grid cell); print the paired gaps."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300, help="training steps per run")
     ap.add_argument("--codecs", default="q8,q4,q3,q2,q4:nearest,q2:nearest",
                     help="comma-separated codec names, each optionally NAME:ROUNDING")
     ap.add_argument("--seeds", type=int, default=3,
                     help="paired seeds (weights and data order) per codec; gaps are averaged")
-    ap.add_argument("--hidden", type=int, default=128, help="model width")
-    ap.add_argument("--layers", type=int, default=4, help="model depth")
+    ap.add_argument("--hidden", type=int, default=128, help="model width (without --sizes)")
+    ap.add_argument("--layers", type=int, default=4, help="model depth (without --sizes)")
+    ap.add_argument("--sizes", default=None,
+                    help="comma-separated HIDDENxLAYERS model sizes of the grid, e.g. 128x4,256x4")
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
     ap.add_argument("--seq", type=int, default=128, help="bytes per sequence")
-    ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (without --lrs)")
+    ap.add_argument("--lrs", default=None, help="comma-separated peak learning rates of the grid")
     ap.add_argument("--seed", type=int, default=0, help="first seed")
+    ap.add_argument("--png", default=None, help="write the loss curves of every cell to this PNG")
+    ap.add_argument("--runs-jsonl", default=None, help="append every finished run to this file")
+    ap.add_argument("--skip-fp32", action="store_true",
+                    help="with --runs-jsonl: run only the codecs (the fp32 runs come from another "
+                         "process writing the same file; fp32 runs are deterministic per seed)")
+    ap.add_argument("--from-jsonl", default=None,
+                    help="report (and plot) the runs of a --runs-jsonl file instead of training")
     args = ap.parse_args(argv)
+    if args.from_jsonl:
+        cells = cells_from_jsonl(args.from_jsonl)
+        for (label, lr), runs in cells.items():
+            seeds = {n: [r["seed"] for r in rs] for n, rs in runs.items()}
+            print(f"model: {label}, lr {lr:g}, seeds per run: {seeds}")
+            print_cell(runs)
+        report(cells, args.seed)
+        if args.png:
+            plot_grid(cells, args.png)
+        return 0
+    if args.skip_fp32 and not args.runs_jsonl:
+        ap.error("--skip-fp32 needs --runs-jsonl: the gaps are reported from the file")
     names = [c for c in args.codecs.split(",") if c]
     for c in names:
         name, _, rounding = c.partition(":")
         codecs.get(name, **({"rounding": rounding} if rounding else {}))  # fail fast
     if args.seeds < 1:
         ap.error("--seeds must be at least 1")
-    params = sum(p.numel() for p in tiny_model(args.hidden, args.layers, args.seed).parameters())
-    print(f"model: {params / 1e6:.2f}M params, {args.steps} steps, batch {args.batch}x{args.seq} "
-          f"bytes, lr {args.lr}, seeds {args.seed}..{args.seed + args.seeds - 1}")
-    runs: dict[str, list[dict[str, float]]] = {}
-    for seed in range(args.seed, args.seed + args.seeds):
-        for c in [None, *names]:
-            r = train(c, args.steps, args.hidden, args.layers, args.batch, args.seq, args.lr, seed)
-            runs.setdefault(c or "fp32", []).append(r)
-            print(f"  seed {seed} {c or 'fp32'}: train {r['train']:.4f}, held-out "
-                  f"{r['held-out']:.4f} ({r['seconds']:.0f}s)", flush=True)
-    base = runs["fp32"]
-    print(f"{'codec':>12} {'quantized':>9} {'train':>7} {'vs fp32 (min..max)':>24} "
-          f"{'held-out':>8} {'vs fp32 (min..max)':>24}")
-    for name, rs in runs.items():
-        row = [f"{name:>12} {rs[0]['quantized']:>9.3f}"]
-        for key in ("train", "held-out"):
-            gaps = [_gap(r, b, key) for r, b in zip(rs, base, strict=True)]
-            mean_loss = sum(r[key] for r in rs) / len(rs)
-            spread = f"{sum(gaps) / len(gaps):+.2%} ({min(gaps):+.2%}..{max(gaps):+.2%})"
-            row.append(f"{mean_loss:>{7 if key == 'train' else 8}.4f} {spread:>24}")
-        print(" ".join(row))
+    try:
+        sizes = parse_sizes(args.sizes) if args.sizes else [(args.hidden, args.layers)]
+        lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else [args.lr]
+    except ValueError as e:
+        ap.error(str(e))
+    cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]] = {}
+    for hidden, layers in sizes:
+        params = sum(p.numel() for p in tiny_model(hidden, layers, args.seed).parameters())
+        label = f"{params / 1e6:.2f}M ({hidden}x{layers})"
+        for lr in lrs:
+            print(f"model: {params / 1e6:.2f}M params ({hidden}x{layers}), {args.steps} steps, "
+                  f"batch {args.batch}x{args.seq} bytes, lr {lr}, "
+                  f"seeds {args.seed}..{args.seed + args.seeds - 1}", flush=True)
+            runs: dict[str, list[dict[str, Any]]] = {}
+            for seed in range(args.seed, args.seed + args.seeds):
+                for c in names if args.skip_fp32 else [None, *names]:
+                    r = train(c, args.steps, hidden, layers, args.batch, args.seq, lr, seed)
+                    r.update(seed=seed, size=label, lr=lr, codec=c or "fp32")
+                    runs.setdefault(c or "fp32", []).append(r)
+                    if args.runs_jsonl:
+                        with open(args.runs_jsonl, "a") as f:
+                            f.write(json.dumps(r) + "\n")
+                    print(f"  seed {seed} {c or 'fp32'}: train {r['train']:.4f}, held-out "
+                          f"{r['held-out']:.4f} ({r['seconds']:.0f}s)", flush=True)
+            if not args.skip_fp32:
+                print_cell(runs)
+                cells[(label, lr)] = runs
+    if len(cells) > 1:
+        report(cells, args.seed)
+    if args.png:
+        plot_grid(cells, args.png)
     return 0
 
 

@@ -453,3 +453,21 @@ def test_stochastic_rounding_spec_and_levels() -> None:
     levels = torch.tensor([-1.0, 0.0, 1.0, 0.0, -1.0] * 20)
     assert torch.equal(_round_trip(codecs.get("q2", rounding="stochastic", block=5), levels),
                        levels)
+
+
+@pytest.mark.parametrize(("target", "power"), [("value", 1.0), ("rsqrt", -0.5)])
+def test_v_rounding_ablation_targets_are_unbiased(monkeypatch: pytest.MonkeyPatch, target: str,
+                                                  power: float) -> None:
+    """The ablation hook behind tools.moment_stats --v-target: stochastic codes of v are
+    unbiased in v ** power (the codecs' own target, log2, is tested above)."""
+    monkeypatch.setattr(quant, "V_STOCHASTIC_TARGET", target)
+    # 12.8 octaves over q2's 3 steps: levels 19x apart, so that 2000 draws pin the mean down
+    v = torch.tensor([1e-3, 3e-3, 0.01, 0.05, 1.0, 7.0, 2.5, 5e-3])
+    usr = codecs.get("q2", signed=False, rounding="stochastic")
+    draws = [torch.stack([v, torch.full((8,), 7.0), torch.rand(8) * 3.5]) for _ in range(2000)]
+    got = torch.stack([_round_trip(usr, d)[0] ** power for d in draws]).mean(0)
+    assert torch.allclose(got, v**power, rtol=0.15), (got, v**power)
+    # and not in log2: the mean log lands below (value, by Jensen) or above (rsqrt) the value's
+    logs = torch.stack([_round_trip(usr, d)[0].log2() for d in draws[:500]]).mean(0)
+    mid = (v > 1e-3) & (v < 7.0)  # strictly between two of the row's levels
+    assert bool(((logs - v.log2()) * (1 if power > 0 else -1) < 0)[mid].all()), logs - v.log2()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tools import bench_codecs, bench_convergence
+from tools import bench_codecs, bench_convergence, moment_stats
 from tools.moments import tiny_model
 
 
@@ -64,3 +64,45 @@ def test_bench_convergence_runs(capsys: pytest.CaptureFixture[str]) -> None:
     assert float(fp32[1]) == 0.0 and 0 < float(q8[1]) < 1
     assert fp32[3] == "+0.00%"  # fp32 against itself, per seed
     assert abs(float(q8[2]) - float(fp32[2])) / float(fp32[2]) < 0.05
+
+
+def test_parse_sizes() -> None:
+    assert bench_convergence.parse_sizes("128x4, 256x2") == [(128, 4), (256, 2)]
+    for bad in ("128", "0x4", "ax4", "128x"):
+        with pytest.raises(ValueError, match="HIDDENxLAYERS"):
+            bench_convergence.parse_sizes(bad)
+
+
+@pytest.mark.slow
+def test_bench_convergence_grid_png(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # noqa: ANN001
+    png, runs = tmp_path / "curves.png", tmp_path / "runs.jsonl"
+    assert bench_convergence.main(["--steps", "4", "--sizes", "32x1,48x1", "--lrs", "1e-3,3e-3",
+                                   "--batch", "2", "--seq", "16", "--codecs", "q8",
+                                   "--seeds", "1", "--png", str(png),
+                                   "--runs-jsonl", str(runs)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("model: ") == 4  # 2 sizes x 2 learning rates
+    assert "worst cell per codec" in out and "worst seed 0" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(runs.read_text().splitlines()) == 8  # 4 cells x (fp32, q8)
+    # the same tables again from the saved runs, without training; a cut-short run is dropped
+    with runs.open("a") as f:
+        f.write(runs.read_text().splitlines()[-1].replace('"seed": 0', '"seed": 7') + "\n")
+    png.unlink()
+    assert bench_convergence.main(["--from-jsonl", str(runs), "--png", str(png)]) == 0
+    again = capsys.readouterr().out
+    def table_rows(text: str) -> list[str]:
+        return [ln for ln in text.splitlines() if ln.split()[:1] in (["fp32"], ["q8"])]
+    # 4 cells x (fp32, q8) table rows, then the worst-cell lines (train, held-out)
+    assert len(table_rows(out)) == 10 and table_rows(out) == table_rows(again)
+    assert png.exists()
+
+
+def test_moment_stats_orders_codecs() -> None:
+    stats = moment_stats.collect(["q8:stochastic", "q2:stochastic", "q2:stochastic:v"], steps=5,
+                                 hidden=64, layers=1, batch=2, seq=32, lr=1e-3, seed=0)
+    q8, q2, q2v = (moment_stats.summarize(stats[c]) for c in ("q8:stochastic", "q2:stochastic",
+                                                                "q2:stochastic:v"))
+    assert abs(q8["ratio"] - 1) < 0.01 and q8["cos"] > 0.99 and q8["m_err"] < 0.05
+    assert q2["cos"] < q8["cos"] and q2["m_err"] > 5 * q8["m_err"]
+    assert q2v["m_err"] < 1e-5  # only v coded: m is exact (up to the order of operations)

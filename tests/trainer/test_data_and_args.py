@@ -117,3 +117,22 @@ def test_schedules_match_transformers(kind: str, warmup: float) -> None:
         assert learning_rate_at(args, step, total) == opt.param_groups[0]["lr"], (kind, step)
         opt.step()
         sched.step()
+
+
+def test_moment_codec_policy_warns_off_goal_codecs() -> None:
+    """Codecs whose measured loss gap misses the goal are opt-in with a warning naming the gap."""
+    import warnings
+
+    from trainer.optimizer import MOMENT_CODEC_GAPS, moment_codec_name
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # raw and the in-goal codec stay silent
+        assert moment_codec_name(None) == "raw"
+        assert moment_codec_name("q8") == "q8"
+    for name, goal_text in (("q2", "3% goal"), ("q3", "3% goal"), ("q4", "1% goal")):
+        gap, goal = MOMENT_CODEC_GAPS[name]
+        assert abs(gap) > goal
+        with pytest.warns(UserWarning, match=rf"'{name}'.*{gap * 100:+.2f}%.*{goal_text}"):
+            assert moment_codec_name(name) == name
+    with pytest.warns(UserWarning, match="'q4'"):  # the default (True) is q4, which warns too
+        assert moment_codec_name(True) == "q4"
