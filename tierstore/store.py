@@ -273,8 +273,8 @@ class AsyncStore(ReadPath):
             if self._deferred and not self.readonly:
                 try:  # readers that closed meanwhile: their generations go now
                     await self._collect({})
-                except StoreError:
-                    pass
+                except (StoreError, OSError):
+                    pass  # left behind as orphans: the next writer open deletes them
             for t in list(self._background):
                 t.cancel()
             self._closed = True
@@ -646,7 +646,7 @@ class AsyncStore(ReadPath):
         self.stats_counters.commits += 1
         try:
             await self._collect(gone)  # after the transaction: see its docstring on leases
-        except StoreError:
+        except (StoreError, OSError):
             pass  # left-over folders are orphans a later collection or reopen deletes
         self.tracer.span("commit", "store", t0, time.perf_counter(), version=commit.version)
         return commit.version

@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import errno
 import os
+import shutil
 import threading
 
 import pytest
@@ -81,6 +82,22 @@ def test_mode_w_while_a_reader_is_open_keeps_the_new_commit(tmp_path) -> None:
         assert r.keys() == ["new"]
         assert torch.equal(r.get("new"), vec(10, 2))
         assert r.verify() == []
+
+
+def test_catalog_environments_are_keyed_by_the_file_not_the_path(tmp_path) -> None:
+    from tierstore.catalog import Catalog
+
+    first = Catalog(str(tmp_path / "c"), create=True)
+    try:
+        shutil.rmtree(tmp_path / "c")  # what mode="w" does under an opener that holds it
+        second = Catalog(str(tmp_path / "c"), create=True)
+        try:
+            assert second._env is not first._env
+            assert os.path.exists(tmp_path / "c" / "data.mdb")
+        finally:
+            second.close()
+    finally:
+        first.close()
 
 
 # ---------------------------------------------------------------- defect 2
