@@ -120,13 +120,21 @@ class AsyncStore(ReadPath):
         self._write_sem = asyncio.Semaphore(config.io_depth)
         self._read_sem = asyncio.Semaphore(config.io_threads * 2)
         self._commit_lock = asyncio.Lock()
-        try:
-            await self._run_io(self._open_files)
-            self._load_head(version)
-        except BaseException:
+        opening = asyncio.get_running_loop().run_in_executor(self._io, self._open_files)
+
+        def give_up(_f: Any = None) -> None:
             self._release_files()
             self._io.shutdown(wait=False)
             self._cpu.shutdown(wait=False)
+
+        try:
+            await asyncio.shield(opening)
+            self._load_head(version)
+        except BaseException:
+            if opening.done():
+                give_up()
+            else:  # cancelled while the io thread opens: release what it takes once it is done
+                opening.add_done_callback(give_up)
             raise
         return self
 
@@ -553,14 +561,21 @@ class AsyncStore(ReadPath):
         if keys is not None:
             wanted = {k: self._record(k) for k in keys}  # KeyNotFound for an unknown key
             committed = {k: r for k, r in wanted.items() if k in committed}
-        for key, rec in sorted(committed.items()):
-            for i, (n, crc) in enumerate(rec.chunks):
-                path = self._disk.chunk_path(key, rec.generation, rec.grid, i)
-                buf = np.empty(n, np.uint8)
-                try:
-                    await self._run_io(self._disk.read_chunk, path, key, i, n, crc, [buf])
-                except CorruptData as e:
-                    faults.append(e)
+        for rec in committed.values():
+            self._pins.pin(rec.generation)  # a commit meanwhile must not delete what we check
+        try:
+            for key, rec in sorted(committed.items()):
+                for i, (n, crc) in enumerate(rec.chunks):
+                    path = self._disk.chunk_path(key, rec.generation, rec.grid, i)
+                    buf = np.empty(n, np.uint8)
+                    try:
+                        await self._io_pinned(rec.generation, self._disk.read_chunk, path, key, i,
+                                              n, crc, [buf])
+                    except CorruptData as e:
+                        faults.append(e)
+        finally:
+            for rec in committed.values():
+                self._pins.unpin(rec.generation)
         return faults
 
     # ---------------------------------------------------------------- commit

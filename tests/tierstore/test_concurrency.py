@@ -316,3 +316,32 @@ async def test_cancelled_gets_and_prefetches_leave_the_store_consistent(tmp_path
         assert r.verify() == []
         assert torch.equal(r.get("k"), vec(16_384, 3))
     assert sorted(k for k, _ in folders(tmp_path)) == ["filler", "k"]
+
+
+async def test_open_cancelled_while_its_files_open_releases_the_lock(tmp_path, monkeypatch) -> None:
+    gate, started = threading.Event(), threading.Event()
+    real = tierstore.AsyncStore._open_files
+
+    def slow_open(self) -> None:
+        started.set()
+        gate.wait(HANG)  # the caller is cancelled here; then LOCK and the catalog are taken
+        real(self)
+
+    monkeypatch.setattr(tierstore.AsyncStore, "_open_files", slow_open)
+    opening = asyncio.ensure_future(tierstore.open_async(tmp_path, mode="w"))
+    assert await asyncio.get_running_loop().run_in_executor(None, started.wait, HANG)
+    opening.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+    gate.set()
+    monkeypatch.setattr(tierstore.AsyncStore, "_open_files", real)
+    for _ in range(500):  # the cancelled open lets go once its io call ends
+        try:
+            s = await tierstore.open_async(tmp_path)
+            break
+        except tierstore.StoreLocked:
+            await asyncio.sleep(0.01)
+    else:
+        raise AssertionError("a cancelled open kept the writer lock")
+    await s.put("a", vec(3, 1))
+    await s.close()
