@@ -310,7 +310,8 @@ class ReadPath:
             self._record(k)
         tasks = self._prefetch_keys(list(keys), to)
         if wait:
-            await asyncio.gather(*tasks)
+            # shielded: cancelling this wait must not cancel loads a concurrent get also awaits
+            await asyncio.shield(asyncio.gather(*tasks))
 
     def _prefetch_keys(self, keys: list[str], to: str) -> list[asyncio.Task[Any]]:
         tasks: list[asyncio.Task[Any]] = []

@@ -345,3 +345,24 @@ async def test_open_cancelled_while_its_files_open_releases_the_lock(tmp_path, m
         raise AssertionError("a cancelled open kept the writer lock")
     await s.put("a", vec(3, 1))
     await s.close()
+
+
+async def test_a_cancelled_prefetch_wait_does_not_cancel_a_get_sharing_its_load(tmp_path) -> None:
+    with tierstore.open(tmp_path, mode="w", chunk_bytes="16KiB") as s:
+        s.put("k", vec(16_384, 1))
+    s = await tierstore.open_async(tmp_path, mode="r", device="cpu", chunk_bytes="16KiB")
+    try:
+        plan = GatedPlan(gated={"read"})
+        s.inject_faults(plan)
+        pre = asyncio.ensure_future(s.prefetch(["k"], to="device", wait=True))
+        await entered(plan)
+        get = asyncio.ensure_future(s.get("k", device="cpu"))  # waits on the prefetch's load
+        await asyncio.sleep(0)
+        pre.cancel()
+        await asyncio.gather(pre, return_exceptions=True)
+        plan.gate.set()
+        assert torch.equal(await asyncio.wait_for(get, HANG), vec(16_384, 1))
+    finally:
+        plan.gate.set()
+        s.inject_faults(None)
+        await s.close()
