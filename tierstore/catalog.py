@@ -23,10 +23,16 @@ _MAP_SIZE = 1 << 36  # address space only; the file grows as data is written
 
 EnvKey = tuple[int, int]  # (st_dev, st_ino) of data.mdb: one environment per file, not per path
 
-#: (environment, openers, read-only) per catalog file. Keyed by the file's identity, not its
-#: path: ``mode="w"`` deletes and recreates the catalog under the same path, and a path key
-#: handed the new store the old environment, whose files were gone (the new commit vanished).
-_ENVIRONMENTS: dict[EnvKey, tuple[lmdb.Environment, int, bool]] = {}
+_DBS = (b"meta", b"generations", b"commits")
+Handles = tuple[lmdb.Environment, dict[bytes, lmdb._Database]]
+
+#: (environment and its database handles, openers, read-only) per catalog file. Keyed by the
+#: file's identity, not its path: ``mode="w"`` deletes and recreates the catalog under the same
+#: path, and a path key handed the new store the old environment, whose files were gone (the
+#: new commit vanished). The database handles are opened once, with the environment: LMDB
+#: forbids ``mdb_dbi_open`` while another transaction of the process runs (a reader opening
+#: beside a committing writer hung there).
+_ENVIRONMENTS: dict[EnvKey, tuple[Handles, int, bool]] = {}
 _ENV_LOCK = threading.Lock()
 
 
@@ -54,19 +60,24 @@ def _can_lock(real: str) -> bool:
     return os.access(real, os.W_OK)
 
 
-def _acquire_env(path: str, create: bool, readonly: bool) -> tuple[lmdb.Environment, EnvKey]:
+def _open_dbs(env: lmdb.Environment, create: bool, readonly: bool) -> dict[bytes, lmdb._Database]:
+    # on a fresh environment nobody else uses yet (py-lmdb takes a read txn when read-only)
+    return {name: env.open_db(name, create=create and not readonly) for name in _DBS}
+
+
+def _acquire_env(path: str, create: bool, readonly: bool) -> tuple[Handles, EnvKey]:
     real = os.path.realpath(path)
     with _ENV_LOCK:
         key = _env_key(real)
         if key is None and not create:
             raise StoreNotFound(f"no tierstore catalog at {path}")
         if key is not None and key in _ENVIRONMENTS:
-            env, refs, ro = _ENVIRONMENTS[key]
+            handles, refs, ro = _ENVIRONMENTS[key]
             if ro and not readonly:
                 raise StoreError(f"the catalog at {path} is being opened read-only in this process; "
                                  "open the writer after the reader's open returns")
-            _ENVIRONMENTS[key] = (env, refs + 1, ro)
-            return env, key
+            _ENVIRONMENTS[key] = (handles, refs + 1, ro)
+            return handles, key
         # a reader passes readonly=True (no write transaction, works on read-only files) and,
         # where it may not write lock.mdb (read-only folder or mount), lock=False
         lock = True if not readonly else _can_lock(real)
@@ -76,20 +87,25 @@ def _acquire_env(path: str, create: bool, readonly: bool) -> tuple[lmdb.Environm
                             sync=True, metasync=True, readahead=False, max_readers=256)
         except lmdb.Error as e:
             raise StoreError(f"cannot open the catalog at {path}: {e}") from None
+        try:
+            dbs = _open_dbs(env, create, readonly)
+        except lmdb.Error as e:
+            env.close()
+            raise StoreNotFound(f"{path} is not a tierstore catalog: {e}") from None
         key = _env_key(real)
         assert key is not None  # lmdb.open made it
-        _ENVIRONMENTS[key] = (env, 1, readonly)
-        return env, key
+        _ENVIRONMENTS[key] = ((env, dbs), 1, readonly)
+        return (env, dbs), key
 
 
 def _release_env(key: EnvKey) -> None:
     with _ENV_LOCK:
-        env, refs, ro = _ENVIRONMENTS[key]
+        handles, refs, ro = _ENVIRONMENTS[key]
         if refs > 1:
-            _ENVIRONMENTS[key] = (env, refs - 1, ro)
+            _ENVIRONMENTS[key] = (handles, refs - 1, ro)
         else:
             del _ENVIRONMENTS[key]
-            env.close()
+            handles[0].close()
 
 
 class Catalog:
@@ -97,14 +113,8 @@ class Catalog:
 
     def __init__(self, path: str, create: bool, readonly: bool = False):
         self.path = path
-        self._env, self._key = _acquire_env(path, create, readonly)
-        try:
-            self._meta = self._env.open_db(b"meta", create=create)
-            self._gens = self._env.open_db(b"generations", create=create)
-            self._commits = self._env.open_db(b"commits", create=create)
-        except lmdb.Error as e:
-            _release_env(self._key)
-            raise StoreNotFound(f"{path} is not a tierstore catalog: {e}") from None
+        (self._env, dbs), self._key = _acquire_env(path, create, readonly)
+        self._meta, self._gens, self._commits = (dbs[name] for name in _DBS)
         if create and not readonly:
             with self._env.begin(write=True) as txn:
                 if txn.get(b"format_version", db=self._meta) is None:

@@ -209,24 +209,25 @@ class AsyncStore(ReadPath):
         reader needs nothing from the catalog and lets go of it.
         """
         assert self._catalog is not None
-        for _ in range(_OPEN_RETRIES):
-            commits = self._catalog.commits()
-            head = self._catalog.commit(version) if version is not None else (commits[-1] if commits else None)
-            gens = dict(head.generations) if head is not None else {}
-            recs = self._catalog.records(gens.values())
+        for attempt in range(_OPEN_RETRIES):
             lease = None
-            if head is not None:
-                lease = ReaderLease.acquire(self.path, head.version, list(gens.values()))
             try:
+                commits = self._catalog.commits()
+                head = self._catalog.commit(version) if version is not None else (
+                    commits[-1] if commits else None)
+                gens = dict(head.generations) if head is not None else {}
+                recs = self._catalog.records(gens.values())
+                if head is not None:
+                    lease = ReaderLease.acquire(self.path, head.version, list(gens.values()))
                 self._catalog.records(gens.values())  # still there: our lease came in time
                 if version is not None:
                     self._catalog.commit(version)
             except (CorruptData, StoreNotFound):
+                # dropped by the writer between our reads (or really missing: the last try says)
                 if lease is not None:
                     lease.release()
-                if version is not None:
-                    raise StoreNotFound(f"version {version} was dropped by retention while it "
-                                        "was being opened") from None
+                if version is not None or attempt == _OPEN_RETRIES - 1:
+                    raise
                 continue
             self._lease = lease
             self._commits = commits

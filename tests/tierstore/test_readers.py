@@ -16,6 +16,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -161,6 +162,39 @@ def test_reader_in_the_same_process_holds_its_version(tmp_path) -> None:
                 assert r.verify() == []
         write_step(s, 6)
         assert gens_on_disk(tmp_path) == retained(s)
+
+
+def test_readers_opening_during_commits_always_get_a_whole_version(fast_dir) -> None:
+    path = fast_dir / "s"
+    s = tierstore.open(path, mode="w", **dict(OPTS, keep_last=1))  # the harshest retention
+    write_step(s, 0)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def commit_forever() -> None:
+        step = 1
+        try:
+            while not stop.is_set():
+                write_step(s, step)
+                step += 1
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    writer = threading.Thread(target=commit_forever)
+    writer.start()
+    try:
+        for _ in range(30):  # each open races the writer's retention dropping its version
+            with tierstore.open(path, mode="r", chunk_bytes="16KiB", ram_budget="64KiB") as r:
+                step = r.versions()[-1].step
+                assert step is not None
+                for j, k in enumerate(KEYS):
+                    assert torch.equal(r.get(k), value(step, j)), (step, k)
+                assert r.verify() == []
+    finally:
+        stop.set()
+        writer.join()
+        s.close()
+    assert errors == []
 
 
 def test_a_writer_reopened_after_a_crash_keeps_leased_orphans(tmp_path) -> None:
