@@ -21,7 +21,18 @@ from tierstore.records import Commit, GenRecord
 FORMAT_VERSION = 1
 _MAP_SIZE = 1 << 36  # address space only; the file grows as data is written
 
-_ENVIRONMENTS: dict[str, tuple[lmdb.Environment, int]] = {}
+EnvKey = tuple[int, int]  # (st_dev, st_ino) of data.mdb: one environment per file, not per path
+
+_DBS = (b"meta", b"generations", b"commits")
+Handles = tuple[lmdb.Environment, dict[bytes, lmdb._Database]]
+
+#: (environment and its database handles, openers, read-only) per catalog file. Keyed by the
+#: file's identity, not its path: ``mode="w"`` deletes and recreates the catalog under the same
+#: path, and a path key handed the new store the old environment, whose files were gone (the
+#: new commit vanished). The database handles are opened once, with the environment: LMDB
+#: forbids ``mdb_dbi_open`` while another transaction of the process runs (a reader opening
+#: beside a committing writer hung there).
+_ENVIRONMENTS: dict[EnvKey, tuple[Handles, int, bool]] = {}
 _ENV_LOCK = threading.Lock()
 
 
@@ -33,49 +44,78 @@ def _from_u64(b: bytes) -> int:
     return struct.unpack(">Q", b)[0]
 
 
-def _acquire_env(path: str, create: bool) -> lmdb.Environment:
+def _env_key(real: str) -> EnvKey | None:
+    try:
+        st = os.stat(os.path.join(real, "data.mdb"))
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _can_lock(real: str) -> bool:
+    """Whether this process may use LMDB's lock file (a read-only folder or mount: no)."""
+    lockfile = os.path.join(real, "lock.mdb")
+    if os.path.exists(lockfile):
+        return os.access(lockfile, os.W_OK)
+    return os.access(real, os.W_OK)
+
+
+def _open_dbs(env: lmdb.Environment, create: bool, readonly: bool) -> dict[bytes, lmdb._Database]:
+    # on a fresh environment nobody else uses yet (py-lmdb takes a read txn when read-only)
+    return {name: env.open_db(name, create=create and not readonly) for name in _DBS}
+
+
+def _acquire_env(path: str, create: bool, readonly: bool) -> tuple[Handles, EnvKey]:
     real = os.path.realpath(path)
     with _ENV_LOCK:
-        if real in _ENVIRONMENTS:
-            env, refs = _ENVIRONMENTS[real]
-            _ENVIRONMENTS[real] = (env, refs + 1)
-            return env
-        if not create and not os.path.exists(os.path.join(real, "data.mdb")):
+        key = _env_key(real)
+        if key is None and not create:
             raise StoreNotFound(f"no tierstore catalog at {path}")
+        if key is not None and key in _ENVIRONMENTS:
+            handles, refs, ro = _ENVIRONMENTS[key]
+            if ro and not readonly:
+                raise StoreError(f"the catalog at {path} is being opened read-only in this process; "
+                                 "open the writer after the reader's open returns")
+            _ENVIRONMENTS[key] = (handles, refs + 1, ro)
+            return handles, key
+        # a reader passes readonly=True (no write transaction, works on read-only files) and,
+        # where it may not write lock.mdb (read-only folder or mount), lock=False
+        lock = True if not readonly else _can_lock(real)
         try:
-            env = lmdb.open(real, map_size=_MAP_SIZE, max_dbs=4, subdir=True, create=create,
+            env = lmdb.open(real, map_size=_MAP_SIZE, max_dbs=4, subdir=True,
+                            create=create and not readonly, readonly=readonly, lock=lock,
                             sync=True, metasync=True, readahead=False, max_readers=256)
         except lmdb.Error as e:
             raise StoreError(f"cannot open the catalog at {path}: {e}") from None
-        _ENVIRONMENTS[real] = (env, 1)
-        return env
-
-
-def _release_env(path: str) -> None:
-    real = os.path.realpath(path)
-    with _ENV_LOCK:
-        env, refs = _ENVIRONMENTS[real]
-        if refs > 1:
-            _ENVIRONMENTS[real] = (env, refs - 1)
-        else:
-            del _ENVIRONMENTS[real]
+        try:
+            dbs = _open_dbs(env, create, readonly)
+        except lmdb.Error as e:
             env.close()
+            raise StoreNotFound(f"{path} is not a tierstore catalog: {e}") from None
+        key = _env_key(real)
+        assert key is not None  # lmdb.open made it
+        _ENVIRONMENTS[key] = ((env, dbs), 1, readonly)
+        return (env, dbs), key
+
+
+def _release_env(key: EnvKey) -> None:
+    with _ENV_LOCK:
+        handles, refs, ro = _ENVIRONMENTS[key]
+        if refs > 1:
+            _ENVIRONMENTS[key] = (handles, refs - 1, ro)
+        else:
+            del _ENVIRONMENTS[key]
+            handles[0].close()
 
 
 class Catalog:
     """Generation records, commits and store metadata in one LMDB environment."""
 
-    def __init__(self, path: str, create: bool):
+    def __init__(self, path: str, create: bool, readonly: bool = False):
         self.path = path
-        self._env = _acquire_env(path, create)
-        try:
-            self._meta = self._env.open_db(b"meta", create=create)
-            self._gens = self._env.open_db(b"generations", create=create)
-            self._commits = self._env.open_db(b"commits", create=create)
-        except lmdb.Error as e:
-            _release_env(path)
-            raise StoreNotFound(f"{path} is not a tierstore catalog: {e}") from None
-        if create:
+        (self._env, dbs), self._key = _acquire_env(path, create, readonly)
+        self._meta, self._gens, self._commits = (dbs[name] for name in _DBS)
+        if create and not readonly:
             with self._env.begin(write=True) as txn:
                 if txn.get(b"format_version", db=self._meta) is None:
                     txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=self._meta)
@@ -85,15 +125,15 @@ class Catalog:
         with self._env.begin() as txn:
             raw = txn.get(b"format_version", db=self._meta)
         if raw is None:
-            _release_env(self.path)
+            _release_env(self._key)
             raise StoreNotFound(f"{self.path} has no format version: not a tierstore catalog")
         try:
             version = int(bytes(raw))
         except ValueError:
-            _release_env(self.path)
+            _release_env(self._key)
             raise CorruptData(f"unreadable format version {bytes(raw)!r} in {self.path}") from None
         if version > FORMAT_VERSION:
-            _release_env(self.path)
+            _release_env(self._key)
             raise FormatVersionError(
                 f"store format {version} is newer than this tierstore reads ({FORMAT_VERSION}); "
                 "upgrade tierstore"
@@ -102,7 +142,7 @@ class Catalog:
     def close(self) -> None:
         """Release this opener's reference to the environment."""
         if self._env is not None:
-            _release_env(self.path)
+            _release_env(self._key)
             self._env = None  # type: ignore[assignment]
 
     def set_format_version(self, version: int) -> None:

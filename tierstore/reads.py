@@ -2,6 +2,9 @@
 
 A mixin so that ``store.py`` keeps the lifecycle, the write path and commits; it uses the
 store's tiers, counters and helpers, declared below, and holds no state of its own.
+Every read pins the generation it reads (``PinTable``) for as long as anything of it runs,
+including disk reads and cache fills that outlive a cancelled caller: a put, delete or commit
+that supersedes the generation meanwhile defers its deletion until the pin goes.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 
 from tierstore.chunks import decode_into, pieces_by_chunk
 from tierstore.errors import BudgetError, InvalidIndex, StoreError
+from tierstore.leases import PinTable
 from tierstore.prefetch import AccessPredictor
 from tierstore.records import GenRecord
 from tierstore.stats import Counters, Tracer
@@ -40,6 +44,8 @@ class ReadPath:
     _window: DeviceWindow
     _predictor: AccessPredictor
     _cpu: ThreadPoolExecutor
+    _io: ThreadPoolExecutor
+    _pins: PinTable
     _head: dict[str, GenRecord]
     _reads: dict[tuple[int, int], asyncio.Task[torch.Tensor]]
     _device_loads: dict[int, asyncio.Task[None]]
@@ -55,19 +61,23 @@ class ReadPath:
     async def get(self, key: str, device: str | torch.device | None = None, index: Index = None) -> torch.Tensor:
         """The newest value of ``key``: on the host, or in the device window with ``device=``."""
         rec = self._record(key)
-        self.stats_counters.gets += 1
         target = self._target_device(device)
+        self.stats_counters.gets += 1
         upcoming = self._predictor.record(key)
         if upcoming:
             self._prefetch_keys(upcoming, "device" if target is not None else "host")
         t0 = time.perf_counter()
-        if target is None:
-            out = await self._read(rec, index)
-        elif index is None:
-            out = await self._load_to_device(rec, wait=True)
-        else:
-            part = await self._read(rec, index)
-            out = await self._admit(None, part, wait=True)
+        self._pins.pin(rec.generation)
+        try:
+            if target is None:
+                out = await self._read(rec, index)
+            elif index is None:
+                out = await self._load_to_device(rec, wait=True)
+            else:
+                part = await self._read(rec, index)
+                out = await self._admit(None, part, wait=True)
+        finally:
+            self._pins.unpin(rec.generation)
         self.tracer.span("get", "store", t0, time.perf_counter(), key=key)
         return out
 
@@ -245,7 +255,8 @@ class ReadPath:
         assert self._read_sem is not None
         async with self._read_sem:
             t0 = time.perf_counter()
-            await self._run_io(self._disk.read_chunk, path, rec.key, i, n, crc, [head, body, tail])
+            await self._io_pinned(rec.generation, self._disk.read_chunk, path, rec.key, i, n, crc,
+                                  [head, body, tail])
         self.stats_counters.reads_disk += 1
         self.stats_counters.bytes_read_disk += n + 4
         self.tracer.span("read", "disk", t0, time.perf_counter(), bytes=n)
@@ -258,24 +269,45 @@ class ReadPath:
             return payload
         task = self._reads.get(cid)
         if task is None:
+            # shielded: a cancelled reader leaves the fill to finish (and to keep its pin)
             task = asyncio.get_running_loop().create_task(self._disk_read(rec, i, cache))
             self._reads[cid] = task
-            task.add_done_callback(lambda t: self._read_settled(cid, t))
+            self._pins.pin(rec.generation)
+            task.add_done_callback(lambda t: self._read_done(cid, t))
         return await asyncio.shield(task)
 
-    def _read_settled(self, cid: tuple[int, int], task: asyncio.Task[torch.Tensor]) -> None:
+    def _read_done(self, cid: tuple[int, int], task: asyncio.Task[torch.Tensor]) -> None:
         self._reads.pop(cid, None)
         if not task.cancelled():
-            # mark a failure retrieved: every reader awaiting it may have been cancelled, and
-            # asyncio would log "Task exception was never retrieved" (found by tools.modelcheck)
-            task.exception()
+            task.exception()  # retrieved: every reader may have been cancelled ("never retrieved" otherwise)
+        self._pins.unpin(cid[0])
+
+    async def _io_pinned(self, gen: int, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn`` on an io thread with ``gen`` pinned until the call ends, cancelled or not.
+
+        A cancelled ``await`` does not stop the thread: without the pin, a superseded
+        generation's folder could be deleted under a read that is still running.
+        """
+        fut = asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+        self._pins.pin(gen)
+
+        def done(f: asyncio.Future[T]) -> None:
+            if not f.cancelled():
+                f.exception()
+            self._pins.unpin(gen)
+
+        fut.add_done_callback(done)
+        return await asyncio.shield(fut)
 
     async def _disk_read(self, rec: GenRecord, i: int, cache: str) -> torch.Tensor:
         cid = (rec.generation, i)
         n, crc = rec.chunks[i]
         buf: torch.Tensor | None = None
         if cache == "yes":
-            buf = await self._host.alloc(n)
+            try:
+                buf = await self._host.alloc(n)
+            except BudgetError:
+                buf = None  # RAM full of chunks that cannot be written (ENOSPC): read uncached
         elif cache == "try":
             buf = self._host.try_alloc(n)
         reserved = buf is not None
@@ -314,7 +346,8 @@ class ReadPath:
             self._record(k)
         tasks = self._prefetch_keys(list(keys), to)
         if wait:
-            await asyncio.gather(*tasks)
+            # shielded: cancelling this wait must not cancel loads a concurrent get also awaits
+            await asyncio.shield(asyncio.gather(*tasks))
 
     def _prefetch_keys(self, keys: list[str], to: str) -> list[asyncio.Task[Any]]:
         tasks: list[asyncio.Task[Any]] = []
@@ -338,6 +371,7 @@ class ReadPath:
         return tasks
 
     async def _prefetch_host(self, rec: GenRecord) -> None:
+        self._pins.pin(rec.generation)
         try:
             for i in range(rec.grid.n_chunks):
                 if not self._host.holds((rec.generation, i)):
@@ -345,8 +379,11 @@ class ReadPath:
                     self.stats_counters.prefetched_chunks += 1
         except StoreError:
             self.stats_counters.prefetch_errors += 1  # a hint failed; the real read reports it
+        finally:
+            self._pins.unpin(rec.generation)
 
     async def _prefetch_device(self, rec: GenRecord) -> None:
+        self._pins.pin(rec.generation)
         try:
             if self._window.budget is not None and rec.nbytes > self._window.budget:
                 return
@@ -360,3 +397,5 @@ class ReadPath:
                     await self._admit(rec.generation, await self._read(rec, None), wait=False)
         except StoreError:
             self.stats_counters.prefetch_errors += 1
+        finally:
+            self._pins.unpin(rec.generation)

@@ -7,6 +7,13 @@ Threads and ownership:
 - ``tierstore-cpu`` threads run codec work and large copies (torch releases the GIL).
 A put is *copied* when it returns (the caller may reuse its tensor) and *committed* when a later
 ``commit`` returns.
+
+Generations are deleted by one path, ``_collect``: a generation nobody references any more is
+deleted at once unless it is pinned (``PinTable``: a read or prefetch of this process) or, for a
+generation a commit named, leased by a reader (``readers/*.lease``, any process); then it waits
+in ``_deferred`` until the last user lets go. Every async method is cancellation-safe: a
+cancelled call happened completely or not at all. A commit's catalog transaction and what
+follows it run in a shielded task that keeps the commit lock until memory matches the disk.
 """
 
 from __future__ import annotations
@@ -41,18 +48,20 @@ from tierstore.errors import (
 from tierstore.faults import FaultPlan
 from tierstore.keys import validate_key
 from tierstore.layout import ChunkGrid, zarr_metadata
+from tierstore.leases import LEASE_DIR, PinTable, ReaderLease, leased_generations
 from tierstore.prefetch import AccessPredictor
 from tierstore.reads import ReadPath
 from tierstore.records import Commit, GenRecord, TensorInfo
 from tierstore.stats import Counters, Tracer
 from tierstore.tiers.device import DeviceWindow
-from tierstore.tiers.disk import DiskTier, crc_trailer
+from tierstore.tiers.disk import DiskTier, SyncLedger, crc_trailer
 from tierstore.tiers.host import HostTier
 
 T = TypeVar("T")
 _INLINE_BYTES = 1 << 20  # smaller chunks are coded on the loop thread: a thread hop costs more
 _SYNC_ON_WRITE_BYTES = 1 << 20  # larger files are fdatasync'd by the write-behind itself
-_STORE_ENTRIES = {"LOCK", "catalog", "data"}
+_STORE_ENTRIES = {"LOCK", "catalog", "data", LEASE_DIR}
+_OPEN_RETRIES = 5  # a reader retries its open when retention drops its version meanwhile
 
 
 async def _settle(tasks: list[asyncio.Task[Any]]) -> list[BaseException]:
@@ -96,7 +105,12 @@ class AsyncStore(ReadPath):
         self._reads: dict[tuple[int, int], asyncio.Task[torch.Tensor]] = {}
         self._device_loads: dict[int, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[Any]] = set()
-        self._unsynced: set[str] = set()  # small files and folders written since the last commit
+        self._ledger = SyncLedger()  # files and folders the next commit must fsync
+        self._pins = PinTable()
+        self._pins.on_release = self._on_unpinned
+        #: unreferenced generations still in use: gen -> (key, chunks, may a reader lease it)
+        self._deferred: dict[int, tuple[str, int, bool]] = {}
+        self._lease: ReaderLease | None = None
         self._write_sem: asyncio.Semaphore | None = None
         self._read_sem: asyncio.Semaphore | None = None
         self._commit_lock: asyncio.Lock | None = None
@@ -116,23 +130,34 @@ class AsyncStore(ReadPath):
         self._write_sem = asyncio.Semaphore(config.io_depth)
         self._read_sem = asyncio.Semaphore(config.io_threads * 2)
         self._commit_lock = asyncio.Lock()
-        try:
-            await self._run_io(self._open_files)
-            self._load_head(version)
-        except BaseException:
+        opening = asyncio.get_running_loop().run_in_executor(self._io, self._open_files)
+
+        def give_up(_f: Any = None) -> None:
             self._release_files()
             self._io.shutdown(wait=False)
             self._cpu.shutdown(wait=False)
+
+        try:
+            await asyncio.shield(opening)
+            self._load_head(version)
+        except BaseException:
+            if opening.done():
+                give_up()
+            else:  # cancelled while the io thread opens: release what it takes once it is done
+                opening.add_done_callback(give_up)
             raise
         return self
 
     def _open_files(self) -> None:
         root = self.path
+        is_store = True
         if self.readonly:
             if not os.path.isdir(os.path.join(root, "catalog")):
                 raise StoreNotFound(f"no tierstore at {root}")
         else:
-            os.makedirs(root, exist_ok=True)
+            if not os.path.isdir(root):
+                os.makedirs(root)
+                self._ledger.created(root)
             self._lock_fd = os.open(os.path.join(root, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -141,42 +166,108 @@ class AsyncStore(ReadPath):
                 self._lock_fd = None
                 raise StoreLocked(f"another process writes to {root} (its LOCK is held); "
                                   "open with mode='r' to read") from None
+            is_store = os.path.exists(os.path.join(root, "catalog", "data.mdb"))
+            if not is_store:
+                self._refuse_foreign(root)
             if self.mode == "w":
-                others = set(os.listdir(root)) - _STORE_ENTRIES
-                if others and os.path.isdir(os.path.join(root, "catalog")) is False:
-                    raise StoreError(f"mode='w' refuses to wipe {root}: it is not a tierstore "
-                                     f"(holds {sorted(others)[:5]})")
-                for sub in ("catalog", "data"):
+                for sub in ("catalog", "data", LEASE_DIR):
                     shutil.rmtree(os.path.join(root, sub), ignore_errors=True)
-            os.makedirs(os.path.join(root, "data"), exist_ok=True)
-        self._catalog = Catalog(os.path.join(root, "catalog"), create=not self.readonly)
+            for sub in ("data", "catalog"):
+                if not os.path.isdir(os.path.join(root, sub)):
+                    os.makedirs(os.path.join(root, sub))
+                    self._ledger.created(os.path.join(root, sub))
+            os.makedirs(os.path.join(root, LEASE_DIR), exist_ok=True)  # readers need not create it
+        self._catalog = Catalog(os.path.join(root, "catalog"), create=not self.readonly,
+                                readonly=self.readonly)
+        if not self.readonly and (self.mode == "w" or not is_store):
+            self._ledger.written(os.path.join(root, "catalog"))  # the entries of the new LMDB files
+
+    def _refuse_foreign(self, root: str) -> None:
+        """Refuse to create a store over a folder holding things no store wrote (mode "w" or "a")."""
+        foreign = sorted(set(os.listdir(root)) - _STORE_ENTRIES) if self.mode == "w" else []
+        for sub in ("data", "catalog"):
+            p = os.path.join(root, sub)
+            if os.path.exists(p) and (not os.path.isdir(p) or os.listdir(p)):
+                foreign.append(f"{sub}/")  # an empty data/ is what a crash during creation leaves
+        if foreign:
+            what = "wipe" if self.mode == "w" else "create a store in"
+            raise StoreError(f"mode={self.mode!r} refuses to {what} {root}: it is not a tierstore "
+                             f"(no catalog) but holds {foreign[:5]}; pick an empty folder")
 
     def _load_head(self, version: int | None) -> None:
         assert self._catalog is not None
-        self._commits = self._catalog.commits()
-        if version is not None:
-            head = self._catalog.commit(version)
-        else:
-            head = self._commits[-1] if self._commits else None
-        gens = head.generations if head is not None else {}
         if self.readonly:
-            recs = self._catalog.records(gens.values())
-        else:
-            recs = self._catalog.records(self._catalog.generation_ids())
-            self._records = dict(recs)
-            self._delete_orphans()
+            self._load_leased_head(version)
+            return
+        self._commits = self._catalog.commits()
+        head = self._commits[-1] if self._commits else None
+        gens = head.generations if head is not None else {}
+        recs = self._catalog.records(self._catalog.generation_ids())
+        self._records = dict(recs)
+        self._delete_orphans()
         self._head = {k: recs[g] for k, g in gens.items()}
         self._committed = {g for c in self._commits for g in c.generations.values()}
         known = [*recs, *(g for _, g in self._disk.scan_generations())]
         self._next_gen = max(known, default=0) + 1
 
+    def _load_leased_head(self, version: int | None) -> None:
+        """A reader's open: load a version, lease its generations, check they were not dropped.
+
+        The writer drops a version's records in its catalog transaction and reads the leases
+        after it: a lease written before that transaction is honoured, and a version dropped
+        before our check is seen as missing records here, and the open retries. After this the
+        reader needs nothing from the catalog and lets go of it.
+        """
+        assert self._catalog is not None
+        for attempt in range(_OPEN_RETRIES):
+            lease = None
+            try:
+                commits = self._catalog.commits()
+                head = self._catalog.commit(version) if version is not None else (
+                    commits[-1] if commits else None)
+                gens = dict(head.generations) if head is not None else {}
+                recs = self._catalog.records(gens.values())
+                if head is not None:
+                    lease = ReaderLease.acquire(self.path, head.version, list(gens.values()))
+                self._catalog.records(gens.values())  # still there: our lease came in time
+                if version is not None:
+                    self._catalog.commit(version)
+            except (CorruptData, StoreNotFound):
+                # dropped by the writer between our reads (or really missing: the last try says)
+                if lease is not None:
+                    lease.release()
+                if version is not None or attempt == _OPEN_RETRIES - 1:
+                    raise
+                continue
+            self._lease = lease
+            self._commits = commits
+            self._head = {k: recs[g] for k, g in gens.items()}
+            self._committed = {g for c in commits for g in c.generations.values()} | set(gens.values())
+            self._catalog.close()
+            self._catalog = None
+            return
+        raise StoreError(f"the store at {self.path} changes faster than a reader can open it")
+
     def _delete_orphans(self) -> None:
-        """Delete generation folders no catalog record names (writes after the last commit)."""
-        for key, gen in self._disk.scan_generations():
-            if gen not in self._records:
+        """Delete generation folders no catalog record names (writes after the last commit).
+
+        A folder a live reader lease names (a version dropped while it was read) is kept and
+        collected later, like any other deferred generation.
+        """
+        orphans = [(k, g) for k, g in self._disk.scan_generations() if g not in self._records]
+        if not orphans:
+            return
+        leased = leased_generations(self.path)
+        for key, gen in orphans:
+            if leased is None or gen in leased:
+                self._deferred[gen] = (key, 0, True)
+            else:
                 self._disk.delete_generation(key, gen)
 
     def _release_files(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
         if self._catalog is not None:
             self._catalog.close()
             self._catalog = None
@@ -192,9 +283,17 @@ class AsyncStore(ReadPath):
             if commit and not self.readonly and self._has_changes():
                 await self.commit(message="close")
         finally:
+            if self._commit_lock is not None:
+                async with self._commit_lock:  # a commit whose caller was cancelled ends first
+                    pass
             # let in-flight I/O settle; failures no longer matter: nothing uncommitted survives
             pending = [t for ts in self._writes.values() for t in ts] + list(self._retiring)
             await asyncio.gather(*pending, return_exceptions=True)
+            if self._deferred and not self.readonly:
+                try:  # readers that closed meanwhile: their generations go now
+                    await self._collect({})
+                except (StoreError, OSError):
+                    pass  # left behind as orphans: the next writer open deletes them
             background = list(self._background)
             for t in background:
                 t.cancel()
@@ -245,8 +344,9 @@ class AsyncStore(ReadPath):
         return task
 
     def _explain_stuck(self) -> str | None:
-        pending = sum(not t.done() for ts in self._writes.values() for t in ts)
-        if pending or self._reads:
+        # in-flight reads do not count: one waiting for room cannot make room (a get of a
+        # compressed tensor used to wait forever on a full disk because of its own read)
+        if any(not t.done() for ts in self._writes.values() for t in ts):
             return None
         failed = [t.exception() for ts in self._writes.values() for t in ts
                   if t.done() and not t.cancelled() and t.exception() is not None]
@@ -278,17 +378,19 @@ class AsyncStore(ReadPath):
         self._disk.generation_dir(key, gen)  # InvalidKey now if its folder name is too long
         self._next_gen += 1
         t0 = time.perf_counter()
+        assert self._commit_lock is not None
         try:
             rec = await self._write_generation(key, gen, t, codec_obj, grid)
+            async with self._commit_lock:  # a commit in progress owns the head
+                # no await from here on: the put lands whole, or (cancelled above) not at all
+                old = self._head.get(key)
+                self._head[key] = rec
+                if old is not None and old.generation not in self._committed:
+                    self._retire_soon(old.key, old.generation, old.grid.n_chunks)
         except BaseException:
-            self._retire_soon(key, gen, grid.n_chunks)
+            if self._head.get(key) is None or self._head[key].generation != gen:
+                self._retire_soon(key, gen, grid.n_chunks)
             raise
-        assert self._commit_lock is not None
-        async with self._commit_lock:  # a commit in progress owns the head
-            old = self._head.get(key)
-            self._head[key] = rec
-            if old is not None and old.generation not in self._committed:
-                self._retire_soon(old.key, old.generation, old.grid.n_chunks)
         self.stats_counters.puts += 1
         self.tracer.span("put", "store", t0, time.perf_counter(), key=key, bytes=rec.nbytes)
 
@@ -334,9 +436,8 @@ class AsyncStore(ReadPath):
         await self._write_file(path, [payload.numpy(), crc_trailer(crc)], (gen, i), after=after)
 
     async def _make_dirs(self, key: str, gen: int, grid: ChunkGrid) -> None:
-        created = await self._run_io(self._disk.make_dirs, key, gen, grid, range(grid.n_chunks))
-        self._unsynced.update(created)  # new folders and the folders holding them: synced at commit
-        self._unsynced.update(os.path.dirname(c) for c in created)
+        # each new folder (and the one holding it) enters the ledger as it is made
+        await self._run_io(self._disk.make_dirs, key, gen, grid, range(grid.n_chunks), self._ledger)
 
     async def _write_file(self, path: str, parts: list[Any], cid: tuple[int, int] | None,
                           after: asyncio.Task[None] | None = None) -> None:
@@ -349,7 +450,7 @@ class AsyncStore(ReadPath):
             t0 = time.perf_counter()
             await self._run_io(self._disk.write_file, path, parts, sync)
         if not sync:
-            self._unsynced.add(path)
+            self._ledger.written(path)
         self.stats_counters.bytes_written_disk += n
         if cid is not None:
             self._host.mark_clean(cid)
@@ -364,9 +465,36 @@ class AsyncStore(ReadPath):
     async def _retire(self, key: str, gen: int, n_chunks: int) -> None:
         tasks = self._writes.pop(gen, [])
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._host.drop_generation(gen, n_chunks)
-        self._window.forget(gen)
-        await self._run_io(self._disk.delete_generation, key, gen)
+        await self._collect({gen: (key, n_chunks, False)})  # never committed: no reader leases it
+
+    async def _collect(self, gens: dict[int, tuple[str, int, bool]]) -> None:
+        """Delete unreferenced generations nothing uses; defer the rest (pinned or leased).
+
+        The only path that deletes a generation (RAM chunks, window copy, folder).
+        """
+        self._deferred.update(gens)
+        candidates = list(self._deferred)  # before the lease scan: later entries wait for the next
+        leased: set[int] | None = set()
+        if any(self._deferred[g][2] for g in candidates):
+            leased = await self._run_io(leased_generations, self.path)
+        for g in candidates:
+            entry = self._deferred.get(g)
+            if entry is None or self._pins.pinned(g):
+                continue  # taken by a concurrent collection, or still read here
+            key, n_chunks, shared = entry
+            if shared and (leased is None or g in leased):
+                continue  # a reader (maybe in another process) reads it
+            del self._deferred[g]
+            self._host.drop_generation(g, n_chunks)
+            self._window.forget(g)
+            await self._run_io(self._disk.delete_generation, key, g)
+
+    def _on_unpinned(self, gen: int) -> None:
+        """The last in-process user of ``gen`` let go: collect it if it waited for that."""
+        if gen in self._deferred and not self._closed:
+            task = self._spawn(self._collect({}))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
 
     def mark_step(self) -> None:
         """Close a step of the access trace; the predictor learns from it."""
@@ -405,6 +533,9 @@ class AsyncStore(ReadPath):
         rec = self._record(key)
         assert self._commit_lock is not None
         async with self._commit_lock:
+            rec = self._head.get(key)  # a delete queued before us may have removed it
+            if rec is None:
+                raise KeyNotFound(f"no tensor under key {key!r} (deleted meanwhile)")
             del self._head[key]
             if rec.generation not in self._committed:
                 self._retire_soon(rec.key, rec.generation, rec.grid.n_chunks)
@@ -446,14 +577,21 @@ class AsyncStore(ReadPath):
         if keys is not None:
             wanted = {k: self._record(k) for k in keys}  # KeyNotFound for an unknown key
             committed = {k: r for k, r in wanted.items() if k in committed}
-        for key, rec in sorted(committed.items()):
-            for i, (n, crc) in enumerate(rec.chunks):
-                path = self._disk.chunk_path(key, rec.generation, rec.grid, i)
-                buf = np.empty(n, np.uint8)
-                try:
-                    await self._run_io(self._disk.read_chunk, path, key, i, n, crc, [buf])
-                except CorruptData as e:
-                    faults.append(e)
+        for rec in committed.values():
+            self._pins.pin(rec.generation)  # a commit meanwhile must not delete what we check
+        try:
+            for key, rec in sorted(committed.items()):
+                for i, (n, crc) in enumerate(rec.chunks):
+                    path = self._disk.chunk_path(key, rec.generation, rec.grid, i)
+                    buf = np.empty(n, np.uint8)
+                    try:
+                        await self._io_pinned(rec.generation, self._disk.read_chunk, path, key, i,
+                                              n, crc, [buf])
+                    except CorruptData as e:
+                        faults.append(e)
+        finally:
+            for rec in committed.values():
+                self._pins.unpin(rec.generation)
         return faults
 
     # ---------------------------------------------------------------- commit
@@ -494,33 +632,59 @@ class AsyncStore(ReadPath):
         if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
             raise StoreError(f"step must be an int or None, got {step!r}")
         assert self._commit_lock is not None and self._catalog is not None
-        async with self._commit_lock:
+        lock = self._commit_lock
+        await lock.acquire()
+        release = True
+        try:
             t0 = time.perf_counter()
+            # cancelled up to the transaction, nothing happened: drained writes and fsyncs
+            # change nothing a reopen sees, and the ledger keeps what was not surely synced
             await self._drain_writes()
             head = dict(self._head)
             await self._fsync_all()
             version = (self._commits[-1].version + 1) if self._commits else 1
             commit = Commit(version, step, time.time(), str(message),
                             {k: r.generation for k, r in sorted(head.items())})
-            kept = (self._commits + [commit])[-self.config.keep_last :]
-            dropped = [c.version for c in self._commits if c not in kept]
-            referenced = {g for c in kept for g in c.generations.values()}
-            new_records = [r for r in head.values() if r.generation not in self._records]
-            drop_gens = [g for g in self._records if g not in referenced]
-            await self._run_io(self._publish, commit, new_records, dropped, drop_gens)
-            for r in new_records:
-                self._records[r.generation] = r
-                self._writes.pop(r.generation, None)
-            self._commits = kept
-            self._committed = referenced
-            for g in drop_gens:
-                rec = self._records.pop(g)
-                self._host.drop_generation(g, rec.grid.n_chunks)
-                self._window.forget(g)
-                await self._run_io(self._disk.delete_generation, rec.key, g)
-            self.stats_counters.commits += 1
-            self.tracer.span("commit", "store", t0, time.perf_counter(), version=version)
-            return version
+            task = self._spawn(self._publish_and_apply(commit, head, t0))
+            try:
+                return await asyncio.shield(task)
+            except asyncio.CancelledError:
+                if not task.done():  # the transaction goes on: keep the lock until memory follows
+                    release = False
+                    task.add_done_callback(lambda t: (lock.release(), t.cancelled() or t.exception()))
+                raise
+        finally:
+            if release:
+                lock.release()
+
+    async def _publish_and_apply(self, commit: Commit, head: dict[str, GenRecord], t0: float) -> int:
+        """The catalog transaction, then its effects in memory and the collection of old data.
+
+        Runs as its own task under the commit lock, shielded from the caller's cancellation:
+        once the transaction may have run, memory must match the disk.
+        """
+        kept = (self._commits + [commit])[-self.config.keep_last :]
+        dropped = [c.version for c in self._commits if c not in kept]
+        referenced = {g for c in kept for g in c.generations.values()}
+        new_records = [r for r in head.values() if r.generation not in self._records]
+        drop_gens = [g for g in self._records if g not in referenced]
+        await self._run_io(self._publish, commit, new_records, dropped, drop_gens)
+        for r in new_records:
+            self._records[r.generation] = r
+            self._writes.pop(r.generation, None)
+        self._commits = kept
+        self._committed = referenced
+        gone = {}
+        for g in drop_gens:
+            rec = self._records.pop(g)
+            gone[g] = (rec.key, rec.grid.n_chunks, True)
+        self.stats_counters.commits += 1
+        try:
+            await self._collect(gone)  # after the transaction: see its docstring on leases
+        except (StoreError, OSError):
+            pass  # left-over folders are orphans a later collection or reopen deletes
+        self.tracer.span("commit", "store", t0, time.perf_counter(), version=commit.version)
+        return commit.version
 
     def _publish(self, commit: Commit, new_records: list[GenRecord], dropped: list[int],
                  drop_gens: list[int]) -> None:
@@ -536,12 +700,9 @@ class AsyncStore(ReadPath):
         self._disk.faults = plan
 
     async def _fsync_all(self) -> None:
-        paths = sorted(self._unsynced)
-        self._unsynced = set()
+        """Sync every ledger path; they leave the ledger only once the sync succeeded."""
+        paths = self._ledger.pending()
         if not paths:
             return
-        try:
-            await self._run_io(self._disk.sync_paths, paths)
-        except BaseException:
-            self._unsynced.update(paths)
-            raise
+        await self._run_io(self._disk.sync_paths, paths)
+        self._ledger.synced(paths)

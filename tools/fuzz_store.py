@@ -110,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     size = {"max_phases": 2, "max_ops": 4} if args.short else {}
     known = sorted(f for f in args.features if f in KNOWN)
     if known:
-        print(f"note: {', '.join(f'{f} (defect {KNOWN[f]})' for f in known)} hit known defects "
-              "of issue 10", file=sys.stderr)
+        print(f"note: {', '.join(f'{f} ({KNOWN[f]})' for f in known)} hit known defects", file=sys.stderr)
     if args.print:
         for s in range(args.seed, args.seed + min(args.programs, 20)):
             print(generate(s, args.features, **size).listing(), file=sys.stderr)

@@ -5,7 +5,8 @@ gather, delete, commit, prefetch, cancel, close-and-reopen, read-only opens of r
 versions) under injected I/O faults, and compares every result with ``tools.modelcheck``'s
 model; budgets are checked after every phase. A failure prints the seed and a shrunk program;
 ``python -m tools.fuzz_store --seed S --programs 1`` replays it. Features that hit a defect
-fixed on another branch run as xfail variants (``KNOWN``) until it is merged.
+still unfixed would run as xfail variants (``KNOWN``, empty now); the scenarios of issue 10's
+defects 2, 4 and 5 run as variants of their own, from committed data evicted from RAM.
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tools.modelcheck import KNOWN, generate, run_program, shrink
-from tools.modelcheck.programs import BASE
+from tools.modelcheck import generate, run_program, shrink
+from tools.modelcheck.programs import BASE, EVICTED_START
 from tools.modelcheck.runner import collect_strays
 
 PROGRAMS = 2000
@@ -56,11 +57,8 @@ def test_random_programs_match_the_model(root, start) -> None:
     run_batch(root, range(start, start + BATCH), BASE, shrink_s=30.0)
 
 
-@pytest.mark.parametrize("feature", sorted(KNOWN))
-def test_known_defect_variants(root, feature, request) -> None:
-    # each feature stays in the harness; its variant turns strict once its defect is fixed
-    request.applymarker(pytest.mark.xfail(
-        strict=False, reason=f"issue 10 defect {KNOWN[feature]} (fixed on branch store-core)"))
-    # 50 programs each; seed 100204 of full_disk hangs on today's code (defect 5). The other two
-    # hit their defect about once in 300 longer programs (``tools.fuzz_store --features``)
-    run_batch(root, range(100_180, 100_230), (*BASE, feature), shrink_s=0.0, op_timeout_s=3.0)
+@pytest.mark.parametrize("feature", EVICTED_START)
+def test_issue10_defect_scenarios(root, feature) -> None:
+    # 50 programs each, from committed data no longer in RAM; seed 100204 of full_disk hung
+    # before issue 10's fix (defect 5), the others hit defects 2 and 4 in longer programs
+    run_batch(root, range(100_180, 100_230), (*BASE, feature), shrink_s=30.0, op_timeout_s=3.0)

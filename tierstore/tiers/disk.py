@@ -13,7 +13,8 @@ import ctypes.util
 import errno
 import os
 import shutil
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 
 import crc32c
 
@@ -61,6 +62,47 @@ def checksum(parts: Sequence[Buffer]) -> int:
     return value
 
 
+class SyncLedger:
+    """Paths created or written since they were last made durable: what the next commit fsyncs.
+
+    A path enters the ledger the moment it exists on disk (a folder as ``mkdir`` returns, a file
+    once written), so a failure part-way through creating a generation's folders loses none of
+    them, and it leaves only when a sync that covered it succeeded: a failed, retried or
+    cancelled commit syncs it again. The folder holding each new entry is recorded with it
+    (fsyncing a folder is what makes the entries in it durable). Written from io threads and
+    the loop thread, hence the lock.
+    """
+
+    def __init__(self) -> None:
+        self._paths: set[str] = set()
+        self._lock = threading.Lock()
+
+    def created(self, path: str) -> None:
+        """``path`` is new: it and the folder holding its entry must be synced."""
+        with self._lock:
+            self._paths.add(path)
+            self._paths.add(os.path.dirname(path))
+
+    def written(self, path: str) -> None:
+        """``path`` (in a folder already recorded) has unsynced contents."""
+        with self._lock:
+            self._paths.add(path)
+
+    def pending(self) -> list[str]:
+        """Every path awaiting a sync, sorted."""
+        with self._lock:
+            return sorted(self._paths)
+
+    def synced(self, paths: Iterable[str]) -> None:
+        """A sync covering ``paths`` succeeded."""
+        with self._lock:
+            self._paths.difference_update(paths)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._paths)
+
+
 class DiskTier:
     """Owns ``<root>/data``: one folder per tensor generation, one file per chunk."""
 
@@ -85,8 +127,12 @@ class DiskTier:
         """The file of chunk ``i``."""
         return os.path.join(self.generation_dir(key, generation), grid.zarr_key(i))
 
-    def make_dirs(self, key: str, generation: int, grid: ChunkGrid, chunks: range) -> list[str]:
-        """Create the folders the chunks need; return every folder created (to fsync later)."""
+    def make_dirs(self, key: str, generation: int, grid: ChunkGrid, chunks: range,
+                  ledger: SyncLedger | None = None) -> list[str]:
+        """Create the folders the chunks need; record each in ``ledger`` as it is made.
+
+        Returns the folders created; on a failure part-way the ledger still holds the ones made.
+        """
         created: list[str] = []
         wanted = {os.path.dirname(self.chunk_path(key, generation, grid, i)) for i in chunks}
         wanted.add(self.generation_dir(key, generation))
@@ -101,6 +147,8 @@ class DiskTier:
                     self.check_faults("mkdir", q)
                     os.mkdir(q)
                     created.append(q)
+                    if ledger is not None:
+                        ledger.created(q)
                 except FileExistsError:
                     pass
                 except OSError as e:

@@ -31,15 +31,15 @@ FEATURES = (
     "device",  # gets and prefetches into the device window (the CPU window without CUDA)
 )
 
-#: features that hit a defect of issue 10 which another branch fixes: their test variants are
-#: xfail(strict=False) until it is merged (feature -> the defect's number in the issue)
-KNOWN: dict[str, int] = {
-    "cancel_commit": 2,  # a cancelled commit completes on disk but not in memory
-    "cross_reads": 4,  # a get racing a put of the same key reads a deleted generation
-    "full_disk": 5,  # a get of a compressed tensor waits forever for RAM when writes fail
-}
+#: features that hit a known, unfixed store defect: their test variants are xfail(strict=False)
+#: until it is fixed (feature -> the defect's issue and number); empty since issue 10 landed
+KNOWN: dict[str, str] = {}
 
-#: every feature whose defect is fixed here or was never hit
+#: features whose defects (issue 10: 2 cancelled commit, 4 get racing a put, 5 full disk) need
+#: committed data that is no longer in RAM: their programs begin with a setup phase that makes it
+EVICTED_START = ("cancel_commit", "cross_reads", "full_disk")
+
+#: every feature without a known defect
 BASE = tuple(f for f in FEATURES if f not in KNOWN)
 
 CODECS = ("raw", "raw", "zstd")
@@ -215,12 +215,6 @@ def _faults(rng: random.Random, feats: set[str]) -> dict | None:
     return None
 
 
-def _fails_writes(faults: dict | None) -> bool:
-    if faults is None:
-        return False
-    return bool({"write", "mkdir"} & set(faults.get("fail_sites", ()) or faults.get("sites", ())))
-
-
 def generate(seed: int, features: tuple[str, ...] | None = None, max_phases: int = 3,
              max_ops: int = 6) -> Program:
     """The program of ``seed`` using only ``features`` (default: every feature without a KNOWN defect).
@@ -243,9 +237,9 @@ def generate(seed: int, features: tuple[str, ...] | None = None, max_phases: int
     all_keys = sorted(k for a in range(len(actors)) for k in owned_keys(a))
     vids = [0]
     phases = []
-    if feats & set(KNOWN):
-        # the known defects need committed data that is no longer in RAM: every actor puts all
-        # its keys (mostly compressed), then a commit and reopen empties the RAM tier
+    if feats & set(EVICTED_START) and rng.random() < 0.5:
+        # every actor puts all its keys (mostly compressed), then a commit and reopen empties
+        # the RAM tier: later reads of old generations reach the disk
         setup = []
         for a in range(len(actors)):
             for key in owned_keys(a):
@@ -272,10 +266,6 @@ def generate(seed: int, features: tuple[str, ...] | None = None, max_phases: int
     if "cross_reads" in feats:
         # a racing read reaches the disk only for chunks evicted from RAM: keep the budget tight
         config["ram_budget"] = 4 * max(chunk, 64)
-    if "full_disk" not in feats and any(_fails_writes(ph.faults) for ph in phases):
-        # failed write-behinds keep their chunks dirty in RAM until a commit retries them; in a
-        # tight budget a read that needs RAM then waits forever (issue 10 defect 5, KNOWN)
-        config["ram_budget"] = 1 << 20
     return Program(seed, tuple(sorted(feats)), actors, config, tuple(phases))
 
 
