@@ -33,6 +33,12 @@ T = TypeVar("T")
 Index = slice | int | torch.Tensor | Sequence[int] | None
 
 
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    """Mark a finished future's failure retrieved (asyncio logs one nobody retrieved)."""
+    if not fut.cancelled():
+        fut.exception()
+
 class ReadPath:
     """Reads of ``AsyncStore``: from RAM, disk or the device window, with prefetching."""
 
@@ -347,7 +353,9 @@ class ReadPath:
         tasks = self._prefetch_keys(list(keys), to)
         if wait:
             # shielded: cancelling this wait must not cancel loads a concurrent get also awaits
-            await asyncio.shield(asyncio.gather(*tasks))
+            loads = asyncio.gather(*tasks)
+            loads.add_done_callback(_retrieved)  # nobody may await it once this wait is cancelled
+            await asyncio.shield(loads)
 
     def _prefetch_keys(self, keys: list[str], to: str) -> list[asyncio.Task[Any]]:
         tasks: list[asyncio.Task[Any]] = []

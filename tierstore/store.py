@@ -115,6 +115,7 @@ class AsyncStore(ReadPath):
         self._read_sem: asyncio.Semaphore | None = None
         self._commit_lock: asyncio.Lock | None = None
         self._closed = False
+        self._closing = False  # close() is cancelling background work: start no more of it
 
     # ---------------------------------------------------------------- open / close
 
@@ -294,6 +295,7 @@ class AsyncStore(ReadPath):
                     await self._collect({})
                 except (StoreError, OSError):
                     pass  # left behind as orphans: the next writer open deletes them
+            self._closing = True
             background = list(self._background)
             for t in background:
                 t.cancel()
@@ -491,7 +493,9 @@ class AsyncStore(ReadPath):
 
     def _on_unpinned(self, gen: int) -> None:
         """The last in-process user of ``gen`` let go: collect it if it waited for that."""
-        if gen in self._deferred and not self._closed:
+        if gen in self._deferred and not (self._closed or self._closing):
+            # while closing, the io pool is going away: a deferred generation stays an orphan
+            # for the next writer open to delete (or keep, while a lease names it)
             task = self._spawn(self._collect({}))
             self._retiring.add(task)
             task.add_done_callback(self._retiring.discard)
