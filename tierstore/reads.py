@@ -118,6 +118,13 @@ class ReadPath:
         """Read a whole tensor, a dim-0 slice or a dim-0 gather into a new host tensor."""
         shape = rec.shape
         if index is None:
+            if self._window.device.type == "cpu":
+                # a CPU window holds host memory: copying its tensor beats reading the disk
+                # again (the trainer's optimizer reads the weights backward has just used)
+                hit = self._window.lookup(rec.generation)
+                if hit is not None:
+                    self.stats_counters.hits_device += 1
+                    return hit.clone()
             out = torch.empty(shape, dtype=rec.decoded_dtype)
             await self._fill(rec, [(0, out.numel(), 0)], out.reshape(-1))
             return out
