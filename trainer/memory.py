@@ -120,7 +120,8 @@ def default_ram_budget(device_budget: int | None = None, cpu_window: bool = Fals
     """
     try:
         info = meminfo()
-        total, avail = info["MemTotal"], info.get("MemAvailable", info["MemFree"])
+        total = info["MemTotal"]
+        avail = info["MemAvailable"] if "MemAvailable" in info else info["MemFree"]  # kernels < 3.14
     except (OSError, KeyError, ValueError):
         return 8 * _GIB
     budget = avail - total // 5 - WORKING_SET_RESERVE

@@ -86,3 +86,65 @@ def test_state_4x_the_ram_budget_trains_within_budget_plus_overhead(tmp_path: ob
     assert len(small["losses"]) == STEPS and all(math.isfinite(x) for x in small["losses"])
     # and the budgets are what bounds it: with room for everything, the process holds more
     assert large["peak"] - large["baseline"] > growth
+
+
+def test_default_ram_budget_follows_memavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainer import memory
+
+    total = 24 << 30
+    for avail in (20 << 30, 8 << 30):
+        monkeypatch.setattr(memory, "meminfo", lambda a=avail: {"MemTotal": total, "MemAvailable": a})
+        want = avail - total // 5 - memory.WORKING_SET_RESERVE
+        assert memory.default_ram_budget() == want
+        assert memory.default_ram_budget(2 << 30, cpu_window=True) == want - (2 << 30)
+    monkeypatch.setattr(memory, "meminfo", lambda: {"MemTotal": total, "MemAvailable": 1 << 30})
+    assert memory.default_ram_budget() == 64 * MIB  # the floor when almost nothing is available
+
+
+def test_meminfo_and_rss_read_proc() -> None:
+    from trainer import memory
+
+    info = memory.meminfo()
+    assert 0 < info["MemAvailable"] <= info["MemTotal"]
+    assert 0 < memory.rss_bytes() <= memory.peak_rss_bytes()
+    memory.trim()  # never fails, glibc or not
+
+
+def test_update_worker_bounds_the_gradients_it_holds() -> None:
+    import threading
+
+    from trainer.optimizer import UpdateWorker
+
+    gate = threading.Event()
+    running = threading.Event()
+
+    def run(g: int, grads: object) -> None:
+        running.set()
+        gate.wait(10)
+
+    w = UpdateWorker(run, max_queued=1)
+    w.submit(0, "g0", hold=True)   # runs (blocks on the gate)
+    running.wait(10)
+    w.submit(1, "g1", hold=True)   # queued: the one slot
+    blocked = threading.Thread(target=w.submit, args=(2, "g2"), kwargs={"hold": True})
+    blocked.start()
+    blocked.join(0.3)
+    assert blocked.is_alive(), "a third group of gradients must wait for room"
+    w.submit(3, None)              # gradients from the store (clipping): never bounded
+    gate.set()
+    blocked.join(10)
+    assert not blocked.is_alive()
+    w.wait_all()
+    w.close()
+    assert w.wait_s > 0
+
+
+def test_rss_plan_adds_up() -> None:
+    from trainer import memory
+
+    p = memory.rss_plan(baseline=100, ram_budget=1000, device_budget=500, cpu_window=True, group_bytes=[10, 40, 20],
+                        largest_tensor_bytes=8, chunk_bytes=4, read_slots=2, activation_bytes=3, queued_groups=1)
+    assert p.total == 100 + 1000 + 500 + 40 * 3 + 5 * 8 + 2 * 4 + 3
+    cuda = memory.rss_plan(baseline=100, ram_budget=1000, device_budget=500, cpu_window=False, group_bytes=[10],
+                           largest_tensor_bytes=8, chunk_bytes=4, read_slots=2, activation_bytes=3, queued_groups=1)
+    assert cuda.device_window == 0
