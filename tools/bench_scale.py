@@ -492,6 +492,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="steps of the killed+resumed run (default --steps; fewer saves time, compares fewer)")
     p.add_argument("--dir", default=None, help="where the stores go (default: a temporary folder under /work or /tmp)")
     p.add_argument("--nice", type=int, default=0, help="nice level of the training children")
+    p.add_argument("--kill-delay", type=float, default=None,
+                   help="seconds after the commit of --kill-after to SIGKILL (default: 0.35 x run A's median step)")
+    p.add_argument("--reference-losses", default=None,
+                   help="comma-separated losses of an earlier uninterrupted run: skip run A, only kill and resume")
+    p.add_argument("--events", default=None, help="also write every event of every run to this JSON file")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child is not None:
@@ -543,16 +548,22 @@ def _bench(a: argparse.Namespace) -> int:
     spec = ChildSpec(store=os.path.join(folder, "a", "store"), out=os.path.join(folder, "a"), hidden=shape.hidden,
                      intermediate=shape.intermediate, heads=shape.heads, layers=shape.layers, seq=a.seq,
                      steps=a.steps, ram=ram, vram=vram, lr=a.lr, seed=a.seed, threads=a.threads)
+    runs: dict[str, RunResult] = {}
     try:
-        print("run A: uninterrupted", flush=True)
-        with DiskWatch(spec.store) as watch:
-            ref = run_child(spec, nice=a.nice)
-        # again after the run: other load on the machine lowers a reading, so the floors use the best
-        w2, r2 = measure_disk(folder)
-        f2 = measure_flops(shape, a.seq)
-        print(f"  measured again after run A: disk write {w2 / 1e9:.2f} GB/s, read {r2 / 1e9:.2f} GB/s; "
-              f"fp32 matmul {f2 / 1e9:.1f} GFLOP/s (the floors use the higher readings)", flush=True)
-        report(a, shape, ram_total, ram, vram, ref, watch, max(write_bw, w2), max(read_bw, r2), max(flops, f2))
+        if a.reference_losses:
+            # run A's losses from an earlier invocation: only the kill-and-resume run
+            ref = RunResult(events=[{"event": "step", "step": i + 1, "loss": float(x), "grad_norm": None}
+                                    for i, x in enumerate(a.reference_losses.split(","))])
+        else:
+            print("run A: uninterrupted", flush=True)
+            with DiskWatch(spec.store) as watch:
+                ref = runs["uninterrupted"] = run_child(spec, nice=a.nice)
+            # again after the run: other load on the machine lowers a reading, so the floors use the best
+            w2, r2 = measure_disk(folder)
+            f2 = measure_flops(shape, a.seq)
+            print(f"  measured again after run A: disk write {w2 / 1e9:.2f} GB/s, read {r2 / 1e9:.2f} GB/s; "
+                  f"fp32 matmul {f2 / 1e9:.1f} GFLOP/s (the floors use the higher readings)", flush=True)
+            report(a, shape, ram_total, ram, vram, ref, watch, max(write_bw, w2), max(read_bw, r2), max(flops, f2))
         ok = True
         if a.kill_after:
             shutil.rmtree(os.path.join(folder, "a"), ignore_errors=True)
@@ -561,25 +572,34 @@ def _bench(a: argparse.Namespace) -> int:
                 raise BenchError(f"--kill-run-steps {b_steps} must exceed --kill-after {a.kill_after}")
             spec_b = ChildSpec(**{**asdict(spec), "store": os.path.join(folder, "b", "store"),
                                   "out": os.path.join(folder, "b"), "steps": b_steps})
-            step_s = [e["wall_s"] for e in ref.steps()]
-            delay = 0.5 * (sorted(step_s)[len(step_s) // 2] if step_s else 5.0)
+            step_s = [e["wall_s"] for e in ref.steps() if "wall_s" in e]
+            # a third into the next step: late enough to be past its forward, early enough that a
+            # faster machine than run A's does not finish the step first
+            delay = a.kill_delay or 0.35 * (sorted(step_s)[len(step_s) // 2] if step_s else 60.0)
             print(f"run B: SIGKILL {delay:.1f} s after the commit of step {a.kill_after}, then resume", flush=True)
-            killed = run_child(spec_b, kill_after_commit=a.kill_after, kill_delay=delay, nice=a.nice)
+            killed = runs["killed"] = run_child(spec_b, kill_after_commit=a.kill_after, kill_delay=delay, nice=a.nice)
             if not killed.killed:
-                raise BenchError("run B finished before the kill: raise --steps or lower --kill-after")
+                raise BenchError("run B finished before the kill: raise --steps or lower --kill-after / --kill-delay")
             done = [e["step"] for e in killed.steps()]
-            resumed = run_child(ChildSpec(**{**asdict(spec_b), "resume": True}), nice=a.nice)
-            ok = compare(ref, killed, resumed, a.kill_after, done)
+            resumed = runs["resumed"] = run_child(ChildSpec(**{**asdict(spec_b), "resume": True}), nice=a.nice)
+            ok = compare(ref, killed, resumed, a.kill_after, done, losses_only=bool(a.reference_losses))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        if a.events:
+            with open(a.events, "w") as f:
+                json.dump({name: r.events for name, r in runs.items()}, f)
     return 0 if ok else 1
 
 
-def compare(ref: RunResult, killed: RunResult, resumed: RunResult, kill_after: int, killed_steps: list[int]) -> bool:
+def compare(ref: RunResult, killed: RunResult, resumed: RunResult, kill_after: int, killed_steps: list[int],
+            losses_only: bool = False) -> bool:
     """Print the killed+resumed losses against the reference's; True when every one is equal."""
-    got = {e["step"]: (e["loss"], e["grad_norm"]) for e in killed.steps()}
-    got.update({e["step"]: (e["loss"], e["grad_norm"]) for e in resumed.steps()})
-    want = {e["step"]: (e["loss"], e["grad_norm"]) for e in ref.steps() if e["step"] <= max(got, default=0)}
+    def key(e: dict[str, Any]) -> tuple[Any, Any]:
+        return (e["loss"], None if losses_only else e["grad_norm"])
+
+    got = {e["step"]: key(e) for e in killed.steps()}
+    got.update({e["step"]: key(e) for e in resumed.steps()})
+    want = {e["step"]: key(e) for e in ref.steps() if e["step"] <= max(got, default=0)}
     print(f"kill: the first process committed steps {killed_steps} and was SIGKILLed mid-step "
           f"{max(killed_steps, default=0) + 1} (peak RSS {killed.peak_rss / _GIB:.2f} GiB); "
           f"the resumed one trained steps {[e['step'] for e in resumed.steps()]} "
@@ -645,6 +665,11 @@ def report(a: argparse.Namespace, s: Shape, ram_total: int, ram: int, vram: int,
         print(f"    {e['step']:>4} {e['loss']:>9.4f} {e['wall_s']:>8.1f} {e['read'] / 1e9:>8.2f} "
               f"{e['written'] / 1e9:>9.2f} {moved / max(1, mn):>6.2f} {compute:>8.1f} {io_wait:>8.1f} "
               f"{e['update_s']:>7.1f} {t.get('codec', 0.0):>7.1f} {a.seq / e['wall_s']:>7.2f}")
+    for e in steps:
+        t = e["timer"]
+        print(f"    step {e['step']} waits of the training thread: weights {t.get('fetch', 0.0) + t.get('prefetch', 0.0):.1f} s, "
+              f"optimizer room {t.get('submit', 0.0):.1f} s, optimizer drain before the commit "
+              f"{t.get('wait_all', 0.0):.1f} s; store stall (all threads) {e['stall_s']:.1f} s")
     print("    (compute: forward/backward minus its waits for weights and for optimizer room; I/O wait: the rest of")
     print("     the step's wall time; optim: AdamW arithmetic on the worker thread, overlapped; codec: encode+decode")
     print("     seconds summed over threads, overlapped)")
