@@ -120,8 +120,10 @@ class ReadPath:
         if index is None:
             if self._window.device.type == "cpu":
                 # a CPU window holds host memory: copying its tensor beats reading the disk
-                # again (the trainer's optimizer reads the weights backward has just used)
-                hit = self._window.lookup(rec.generation)
+                # again (the trainer's optimizer reads the weights backward has just used).
+                # A peek: a host read must not keep the tensor in the window, or the weights
+                # already updated would push out those the optimizer has yet to read
+                hit = self._window.peek(rec.generation)
                 if hit is not None:
                     self.stats_counters.hits_device += 1
                     return hit.clone()

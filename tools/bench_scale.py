@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq", type=int, default=128, help="tokens per step (batch 1 x seq; default 128)")
     p.add_argument("--ram-gb", type=float, default=None, help="RAM tier budget (default: 1/6 of RAM)")
     p.add_argument("--vram-gb", type=float, default=None,
-                   help="device window (on the CPU: RAM too; default: 4 layers, at least 2 largest tensors)")
+                   help="device window (on the CPU: RAM too; default: 6 layers, at least 2 largest tensors)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -522,7 +522,9 @@ def _bench(a: argparse.Namespace) -> int:
     fp32 = 4
     ram = int(a.ram_gb * _GIB) if a.ram_gb else ram_total // 6
     layer_bytes = fp32 * shape.layer_params
-    vram = int(a.vram_gb * _GIB) if a.vram_gb else max(4 * layer_bytes, 2 * fp32 * shape.largest_tensor + layer_bytes)
+    # six layers: the one backward computes, the one prefetched, and the weights of the groups the
+    # optimizer has queued and is updating, which it then reads from the window instead of the disk
+    vram = int(a.vram_gb * _GIB) if a.vram_gb else max(6 * layer_bytes, 2 * fp32 * shape.largest_tensor + layer_bytes)
     base = a.dir or ("/work" if os.path.isdir("/work") and os.access("/work", os.W_OK) else tempfile.gettempdir())
     os.makedirs(base, exist_ok=True)
     folder = tempfile.mkdtemp(prefix=f"bench-scale-{a.params}-", dir=base)
