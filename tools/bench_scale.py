@@ -311,7 +311,7 @@ def child(spec: ChildSpec) -> None:
               busy_s=busy - last["busy"], rss=memory.rss_bytes(), peak_rss=memory.peak_rss_bytes(),
               peak_host=st["peak_host_bytes"], peak_window=st["peak_device_bytes"])
         last.update(t=now, stats=st, timer=tm, upd=upd, busy=busy)
-        memory.trim()
+        # no malloc_trim here: at 4B it held the training thread for over a minute between steps
         return version
 
     store.commit = reporting_commit
