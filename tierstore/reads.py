@@ -166,6 +166,15 @@ class ReadPath:
         """Read a whole tensor, a dim-0 slice or a dim-0 gather into a new host tensor."""
         shape = rec.shape
         if index is None:
+            if self._window.device.type == "cpu":
+                # a CPU window holds host memory: copying its tensor beats reading the disk
+                # again (the trainer's optimizer reads the weights backward has just used).
+                # A peek: a host read must not keep the tensor in the window, or the weights
+                # already updated would push out those the optimizer has yet to read
+                hit = self._window.peek(rec.generation)
+                if hit is not None:
+                    self.stats_counters.hits_device += 1
+                    return hit.clone()
             out = torch.empty(shape, dtype=rec.decoded_dtype)
             await self._fill(rec, [(0, out.numel(), 0)], out.reshape(-1))
             return out

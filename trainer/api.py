@@ -23,7 +23,9 @@ import torch
 from torch import nn
 
 import tierstore
+import tierstore.config
 from tierstore.export import write_safetensors
+from trainer import memory
 from trainer import model as model_mod
 from trainer.args import TrainingArguments, from_hf_args, learning_rate_at
 from trainer.callbacks import TrainerControl, TrainerState, build_handler
@@ -67,6 +69,8 @@ class SessionConfig:
     """True: q4 Adam moments; a codec name; False/"raw": raw."""
     device: str | None = None
     """The compute device; None: cuda if available, else cpu."""
+    keep_last: int | None = None
+    """Commits the store retains (None: tierstore's default); 1 keeps one copy of the state on disk."""
 
 
 _session = SessionConfig()
@@ -81,25 +85,27 @@ def _budget(gb: float | str | None, what: str) -> int | str | None:
     return int(gb * _GIB)
 
 
-def _default_ram_budget() -> int:
-    # Leave 20% of the machine's RAM free, as the API promises for max_ram_gb=None.
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return 8 * _GIB
-    return int(total * 0.8)
+def _default_ram_budget(device_budget: int | str | None = None, device: str | None = None) -> int:
+    # From the memory available now (trainer.memory says how), not a fixed share of the total.
+    cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+    window = tierstore.config.parse_size(device_budget, "max_vram_gb") if device_budget is not None else None
+    return memory.default_ram_budget(window, cpu_window=cpu)
 
 
 def init(offload_dir: str | None = None, max_vram_gb: float | str | None = 80, max_ram_gb: float | str | None = None,
-         optimizer_compression: bool | str | None = True, device: str | None = None) -> SessionConfig:
+         optimizer_compression: bool | str | None = True, device: str | None = None,
+         keep_last: int | None = None) -> SessionConfig:
     """Configure where the store lives and its budgets (GB as numbers, or size strings like "64MiB")."""
     global _session
+    memory.tune_malloc()  # freed tensors go back to the OS, so RSS follows what is really held
+    vram = _budget(max_vram_gb, "max_vram_gb")
     _session = SessionConfig(
         offload_dir=offload_dir,
-        device_budget=_budget(max_vram_gb, "max_vram_gb"),
-        ram_budget=_budget(max_ram_gb, "max_ram_gb") if max_ram_gb is not None else _default_ram_budget(),
+        device_budget=vram,
+        ram_budget=_budget(max_ram_gb, "max_ram_gb") if max_ram_gb is not None else _default_ram_budget(vram, device),
         optimizer_compression=optimizer_compression,
         device=device,
+        keep_last=keep_last,
     )
     return _session
 
@@ -119,8 +125,9 @@ def open_store(path: str, mode: str = "a") -> Any:
     if store is not None and not store.closed:
         return store
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    extra = {} if _session.keep_last is None else {"keep_last": _session.keep_last}
     store = tierstore.open(path, mode=mode, ram_budget=_session.ram_budget, device_budget=_session.device_budget,
-                           device=str(_device()))
+                           device=str(_device()), **extra)
     # a store left open by a failed run is closed at exit, without a commit, by tierstore itself
     _open_stores[path] = store
     return store

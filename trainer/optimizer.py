@@ -159,11 +159,24 @@ class StoreAdamW:
 
 
 class UpdateWorker:
-    """A named thread that runs queued group updates; readers wait per group (``wait_group``)."""
+    """A named thread that runs queued group updates; readers wait per group (``wait_group``).
 
-    def __init__(self, run: Callable[..., None]) -> None:
+    Updates that carry their gradients (``hold=True``) are bounded: at most ``max_queued`` wait
+    while one runs, and ``submit`` blocks backward until there is room. Unbounded, a worker
+    slower than backward would collect the whole model's gradients in RAM.
+    """
+
+    def __init__(self, run: Callable[..., None], max_queued: int | None = None) -> None:
+        from trainer.memory import max_queued_default
+
         self._run = run
-        self._q: queue.Queue[tuple[int, tuple[Any, ...]] | None] = queue.Queue()
+        self.max_queued = max_queued_default() if max_queued is None else max_queued
+        if self.max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1, got {self.max_queued}")
+        self._slots = threading.Semaphore(self.max_queued + 1)
+        self.wait_s = 0.0
+        """Seconds ``submit`` blocked on a full queue (backward waiting for the optimizer)."""
+        self._q: queue.Queue[tuple[int, bool, tuple[Any, ...]] | None] = queue.Queue()
         self._pending: dict[int, threading.Event] = {}
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="trainer-adamw", daemon=True)
@@ -174,20 +187,29 @@ class UpdateWorker:
             item = self._q.get()
             if item is None:
                 return
-            g, args = item
+            g, hold, args = item
             try:
                 if self._error is None:
                     self._run(g, *args)
             except BaseException as e:  # handed to the training thread at its next wait
                 self._error = e
             finally:
+                del args, item  # the gradients go before the slot is given back
+                if hold:
+                    self._slots.release()
                 self._pending[g].set()
 
-    def submit(self, g: int, *args: Any) -> None:
-        """Queue the update of group ``g``."""
+    def submit(self, g: int, *args: Any, hold: bool = False) -> None:
+        """Queue the update of group ``g``; ``hold``: its arguments hold gradients (bounded queue)."""
         self.wait_group(g)
+        if hold:
+            t0 = time.perf_counter()
+            while not self._slots.acquire(timeout=0.5):
+                if self._error is not None:
+                    raise RuntimeError("the optimizer thread failed") from self._error
+            self.wait_s += time.perf_counter() - t0
         self._pending[g] = threading.Event()
-        self._q.put((g, args))
+        self._q.put((g, hold, args))
 
     def wait_group(self, g: int) -> None:
         """Block until group ``g`` has no queued or running update."""

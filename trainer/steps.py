@@ -25,7 +25,7 @@ def grad_sink(opt: StoreAdamW, worker: UpdateWorker, norms: dict[str, torch.Tens
             for name, t in final.items():
                 norms[name] = torch.linalg.vector_norm(t, 2.0)
             if clip is None:  # no global norm to wait for: update this group now, on the worker
-                worker.submit(g, step, hyper, None, final)
+                worker.submit(g, step, hyper, None, final, hold=True)
 
     return sink
 

@@ -81,6 +81,11 @@ class DeviceWindow:
         self._strong.move_to_end(generation)
         return t
 
+    def peek(self, generation: int) -> torch.Tensor | None:
+        """The generation's tensor if it is still alive, without making it recently used."""
+        ref = self._weak.get(generation)
+        return ref() if ref is not None else None
+
     def make_room(self, nbytes: int) -> bool:
         """Drop LRU strong references until ``nbytes`` more fit; False if they cannot yet."""
         if self.budget is None:
