@@ -49,6 +49,16 @@ async def entered(plan: GatedPlan) -> None:
     assert ok, "no call reached the gate"
 
 
+async def commit_held_in_catalog(s: tierstore.AsyncStore, n: int) -> tuple[GatedPlan, asyncio.Future[int]]:
+    """Put ``a`` (``n`` elements), start a commit and hold it inside its catalog transaction."""
+    await s.put("a", vec(n, 1))
+    plan = GatedPlan(gated={"catalog"}, suffix="")
+    s.inject_faults(plan)
+    commit = asyncio.ensure_future(s.commit())
+    await entered(plan)
+    return plan, commit
+
+
 async def settle(s: tierstore.AsyncStore) -> None:
     """Wait until every write-behind is on disk (no dirty chunk left)."""
     for _ in range(int(HANG * 100)):
@@ -218,12 +228,8 @@ def test_mode_w_still_recreates_an_empty_or_real_store(tmp_path) -> None:
 
 async def test_two_deletes_queued_behind_a_commit(tmp_path) -> None:
     s = await tierstore.open_async(tmp_path, mode="w")
+    plan, commit = await commit_held_in_catalog(s, 10)
     try:
-        await s.put("a", vec(10, 1))
-        plan = GatedPlan(gated={"catalog"}, suffix="")
-        s.inject_faults(plan)
-        commit = asyncio.ensure_future(s.commit())
-        await entered(plan)
         first = asyncio.ensure_future(s.delete("a"))
         second = asyncio.ensure_future(s.delete("a"))
         await asyncio.sleep(0)
@@ -244,12 +250,8 @@ async def test_two_deletes_queued_behind_a_commit(tmp_path) -> None:
 
 async def test_put_cancelled_waiting_for_the_commit_lock_leaves_nothing(tmp_path) -> None:
     s = await tierstore.open_async(tmp_path, mode="w")
+    plan, commit = await commit_held_in_catalog(s, 10)
     try:
-        await s.put("a", vec(10, 1))
-        plan = GatedPlan(gated={"catalog"}, suffix="")
-        s.inject_faults(plan)
-        commit = asyncio.ensure_future(s.commit())
-        await entered(plan)
         put = asyncio.ensure_future(s.put("b", vec(3000, 2)))
         for _ in range(5):
             await asyncio.sleep(0)  # the put copies its bytes, then queues for the lock

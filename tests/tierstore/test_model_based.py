@@ -66,4 +66,4 @@ def test_random_programs_match_the_model(root, start) -> None:
 def test_issue10_defect_scenarios(root, feature) -> None:
     # 100 programs each, half from committed data no longer in RAM; seed 100204 of full_disk
     # hung before issue 10's fix (defect 5), the others hit defects 2 and 4 in longer programs
-    run_batch(root, range(100_150, 100_250), (*CORE, feature), shrink_s=30.0, op_timeout_s=3.0)
+    run_batch(root, range(100_150, 100_250), (*CORE, feature), shrink_s=30.0)

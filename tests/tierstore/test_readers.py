@@ -101,6 +101,12 @@ def fast_dir(tmp_path):
         shutil.rmtree(d, ignore_errors=True)
 
 
+def first_version_and_its_reader(s: tierstore.Store, path, stop) -> tuple[int, set[int], subprocess.Popen]:
+    """Commit version 1, then start a reader process of it: (version, its generations, process)."""
+    v1 = write_step(s, 0)
+    return v1, set(s.versions()[-1].generations.values()), start_reader(path, v1, stop)
+
+
 def leases(path) -> list[str]:
     return [n for n in os.listdir(path / LEASE_DIR) if n.endswith(".lease")]
 
@@ -108,9 +114,7 @@ def leases(path) -> list[str]:
 def test_reader_process_keeps_its_version_while_the_writer_commits(fast_dir) -> None:
     path, stop = fast_dir / "s", fast_dir / "stop"
     with tierstore.open(path, mode="w", **OPTS) as s:
-        v1 = write_step(s, 0)
-        early = {g for g in s.versions()[-1].generations.values()}
-        reader = start_reader(path, v1, stop)
+        v1, early, reader = first_version_and_its_reader(s, path, stop)
         try:
             for step in range(1, 101):
                 write_step(s, step)
@@ -134,9 +138,7 @@ def test_reader_process_keeps_its_version_while_the_writer_commits(fast_dir) -> 
 def test_a_killed_reader_does_not_pin_its_version_forever(fast_dir) -> None:
     path, stop = fast_dir / "s", fast_dir / "stop"
     with tierstore.open(path, mode="w", **OPTS) as s:
-        v1 = write_step(s, 0)
-        early = {g for g in s.versions()[-1].generations.values()}
-        reader = start_reader(path, v1, stop)
+        v1, early, reader = first_version_and_its_reader(s, path, stop)
         try:
             for step in range(1, 11):
                 write_step(s, step)

@@ -53,7 +53,7 @@ args = mt.TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_s
                             disable_tqdm=True)
 tr = mt.Trainer(model=model, train_dataset=default_dataset(block_size=32, max_bytes=64 * 1024), args=args)
 tr.train()
-losses = [e["loss"] for e in tr.state.log_history]
+losses = [e["loss"] for e in tr.state.log_history if "loss" in e]
 peak = memory.peak_rss_bytes()
 tr.close()
 print(json.dumps({"baseline": baseline, "peak": peak, "losses": losses, "params": n}))
