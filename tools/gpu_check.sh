@@ -3,7 +3,7 @@
 # safetensors, aiofiles, tqdm, matplotlib, pytest; no network). One command, <= 8 minutes:
 #   run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=540)
 # The missing packages (lmdb, zarr, numcodecs, crc32c and their deps) travel as Python 3.12
-# wheels in .whl/ (pip download ... --python-version 3.12, see the report of issue 16). At most 8
+# wheels in .whl/ (`bash tools/gpu_wheels.sh` fetches them on a machine with PyPI). At most 8
 # files land in $OUT: nvidia-smi.txt, install.log, cuda_tests.txt, gpu_bench.{json,txt,log}.
 # DEVICE=cpu dry-runs the same steps on a machine without a GPU (tiny sizes, no wheel install).
 set -uo pipefail
