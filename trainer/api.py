@@ -66,7 +66,7 @@ class SessionConfig:
     ram_budget: int | str | None = None
     """Bytes of the host RAM cache (max_ram_gb)."""
     optimizer_compression: bool | str | None = True
-    """True: q4 Adam moments; a codec name; False/"raw": raw."""
+    """True: q8 Adam moments (the codec that met its goal); a codec name; False/"raw": raw."""
     device: str | None = None
     """The compute device; None: cuda if available, else cpu."""
     keep_last: int | None = None

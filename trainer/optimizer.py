@@ -49,12 +49,12 @@ GAPS_MEASURED = "tools.bench_convergence, byte-level Llama, 300 steps, paired wi
 
 
 def moment_codec_name(compression: bool | str | None) -> str:
-    """The codec asked for the Adam moments: True means q4, False/None raw; CodecError if unknown.
+    """The codec asked for the Adam moments: True means q8, False/None raw; CodecError if unknown.
 
-    A lossy codec whose measured loss gap misses its goal (``MOMENT_CODEC_GAPS``) is opt-in:
-    named explicitly it is used, with a warning naming the gap.
+    True picks q8, the one lossy codec whose measured loss gap met its goal; one that misses its
+    goal (``MOMENT_CODEC_GAPS``) is opt-in: named explicitly it is used, with a warning naming the gap.
     """
-    name = "q4" if compression is True else (compression or "raw")
+    name = "q8" if compression is True else (compression or "raw")
     tierstore.codecs.get(name)  # raises CodecError naming the registered codecs
     gap, goal = MOMENT_CODEC_GAPS.get(name, (0.0, 1.0))
     if abs(gap) > goal:
