@@ -379,7 +379,8 @@ class Trainer:
             self._check_weights()
             self.state = TrainerState()
         store = self.store
-        store.config.keep_last = cfg.save_total_limit or 1 << 30  # None keeps every checkpoint, as transformers
+        # save_total_limit, else mt.init(keep_last=), else every checkpoint (as transformers)
+        store.config.keep_last = cfg.save_total_limit or _session.keep_last or 1 << 30
         with self._lock:
             save_hf_files(store, self.model, self.processing_class)
         start = self.state.global_step

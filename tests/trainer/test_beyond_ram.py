@@ -148,3 +148,26 @@ def test_rss_plan_adds_up() -> None:
     cuda = memory.rss_plan(baseline=100, ram_budget=1000, device_budget=500, cpu_window=False, group_bytes=[10],
                            largest_tensor_bytes=8, chunk_bytes=4, read_slots=2, activation_bytes=3, queued_groups=1)
     assert cuda.device_window == 0
+
+
+def test_init_keep_last_bounds_the_commits_without_save_total_limit(tmp_path: object) -> None:
+    # A run larger than the disk relies on keep_last: the Trainer's "keep every checkpoint"
+    # default (save_total_limit=None, as transformers) must not override mt.init(keep_last=1).
+    import torch
+    from transformers import LlamaConfig
+
+    import trainer as mt
+
+    mt.init(offload_dir=f"{tmp_path}/store", max_vram_gb="2MiB", max_ram_gb="4MiB",
+            optimizer_compression="raw", device="cpu", keep_last=1)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2)
+    data = [{"input_ids": torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))} for i in range(8)]
+    args = mt.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=3, save_steps=1,
+                                logging_steps=1, max_grad_norm=0.0, disable_tqdm=True, report_to=[])
+    tr = mt.Trainer(model=mt.load_model(cfg), args=args, train_dataset=data)
+    try:
+        tr.train()
+        assert [v.step for v in tr.store.versions()] == [3]
+    finally:
+        tr.close()
