@@ -33,11 +33,11 @@ T = TypeVar("T")
 Index = slice | int | torch.Tensor | Sequence[int] | None
 
 
-
 def _retrieved(fut: asyncio.Future[Any]) -> None:
     """Mark a finished future's failure retrieved (asyncio logs one nobody retrieved)."""
     if not fut.cancelled():
         fut.exception()
+
 
 class ReadPath:
     """Reads of ``AsyncStore``: from RAM, disk or the device window, with prefetching."""
@@ -293,8 +293,7 @@ class ReadPath:
 
     def _read_done(self, cid: tuple[int, int], task: asyncio.Task[torch.Tensor]) -> None:
         self._reads.pop(cid, None)
-        if not task.cancelled():
-            task.exception()  # retrieved: every reader may have been cancelled ("never retrieved" otherwise)
+        _retrieved(task)  # every reader may have been cancelled
         self._pins.unpin(cid[0])
 
     async def _io_pinned(self, gen: int, fn: Callable[..., T], *args: Any) -> T:
@@ -307,8 +306,7 @@ class ReadPath:
         self._pins.pin(gen)
 
         def done(f: asyncio.Future[T]) -> None:
-            if not f.cancelled():
-                f.exception()
+            _retrieved(f)
             self._pins.unpin(gen)
 
         fut.add_done_callback(done)

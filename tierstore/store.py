@@ -460,7 +460,11 @@ class AsyncStore(ReadPath):
 
     def _retire_soon(self, key: str, gen: int, n_chunks: int) -> None:
         """Forget an uncommitted generation: once its writes settle, drop its RAM and files."""
-        task = self._spawn(self._retire(key, gen, n_chunks))
+        self._spawn_retiring(self._retire(key, gen, n_chunks))
+
+    def _spawn_retiring(self, coro: Any) -> None:
+        # a deletion in the background: commits and close wait for every one (``_retiring``)
+        task = self._spawn(coro)
         self._retiring.add(task)
         task.add_done_callback(self._retiring.discard)
 
@@ -496,9 +500,7 @@ class AsyncStore(ReadPath):
         if gen in self._deferred and not (self._closed or self._closing):
             # while closing, the io pool is going away: a deferred generation stays an orphan
             # for the next writer open to delete (or keep, while a lease names it)
-            task = self._spawn(self._collect({}))
-            self._retiring.add(task)
-            task.add_done_callback(self._retiring.discard)
+            self._spawn_retiring(self._collect({}))
 
     def mark_step(self) -> None:
         """Close a step of the access trace; the predictor learns from it."""
