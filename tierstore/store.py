@@ -13,7 +13,8 @@ deleted at once unless it is pinned (``PinTable``: a read or prefetch of this pr
 generation a commit named, leased by a reader (``readers/*.lease``, any process); then it waits
 in ``_deferred`` until the last user lets go. Every async method is cancellation-safe: a
 cancelled call happened completely or not at all. A commit's catalog transaction and what
-follows it run in a shielded task that keeps the commit lock until memory matches the disk.
+follows it run in a shielded task; a cancelled commit raises only after that task is done, so
+when the cancellation arrives the version either exists (in memory and on disk) or does not.
 """
 
 from __future__ import annotations
@@ -62,6 +63,17 @@ _INLINE_BYTES = 1 << 20  # smaller chunks are coded on the loop thread: a thread
 _SYNC_ON_WRITE_BYTES = 1 << 20  # larger files are fdatasync'd by the write-behind itself
 _STORE_ENTRIES = {"LOCK", "catalog", "data", LEASE_DIR}
 _OPEN_RETRIES = 5  # a reader retries its open when retention drops its version meanwhile
+
+
+async def _finish_despite_cancel(task: asyncio.Task[Any]) -> None:
+    """Wait until ``task`` is done even if the caller is cancelled meanwhile (again and again)."""
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            continue
+    if not task.cancelled():
+        task.exception()  # retrieved: the caller's cancellation is what propagates
 
 
 async def _settle(tasks: list[asyncio.Task[Any]]) -> list[BaseException]:
@@ -640,7 +652,6 @@ class AsyncStore(ReadPath):
         assert self._commit_lock is not None and self._catalog is not None
         lock = self._commit_lock
         await lock.acquire()
-        release = True
         try:
             t0 = time.perf_counter()
             # cancelled up to the transaction, nothing happened: drained writes and fsyncs
@@ -655,13 +666,12 @@ class AsyncStore(ReadPath):
             try:
                 return await asyncio.shield(task)
             except asyncio.CancelledError:
-                if not task.done():  # the transaction goes on: keep the lock until memory follows
-                    release = False
-                    task.add_done_callback(lambda t: (lock.release(), t.cancelled() or t.exception()))
+                # the transaction may have run: the cancellation is delivered once memory matches
+                # the disk, so a caller never sees a version still landing (found by modelcheck)
+                await _finish_despite_cancel(task)
                 raise
         finally:
-            if release:
-                lock.release()
+            lock.release()
 
     async def _publish_and_apply(self, commit: Commit, head: dict[str, GenRecord], t0: float) -> int:
         """The catalog transaction, then its effects in memory and the collection of old data.

@@ -121,11 +121,14 @@ async def test_commit_cancelled_mid_catalog_transaction_happens_completely(tmp_p
     commit = asyncio.ensure_future(s.commit(step=1))
     await entered(plan)
     commit.cancel()
+    await asyncio.sleep(0.05)
+    assert not commit.done()  # the cancellation waits for the transaction under way
+    plan.gate.set()
     with pytest.raises(asyncio.CancelledError):
         await commit
-    plan.gate.set()
-    await s.put("a", vec(100, 2))  # waits for the shielded commit; must not delete its folder
-    assert [c.step for c in s.versions()] == [1]  # the cancelled commit happened, in memory too
+    # when the cancellation arrives, the commit happened in memory too: no version still landing
+    assert [c.step for c in s.versions()] == [1]
+    await s.put("a", vec(100, 2))  # must not delete the folder the commit names
     s.inject_faults(None)
     await s.close(commit=False)
     with tierstore.open(tmp_path, mode="r") as r:
