@@ -481,8 +481,10 @@ class AsyncStore(ReadPath):
         task.add_done_callback(self._retiring.discard)
 
     async def _retire(self, key: str, gen: int, n_chunks: int) -> None:
-        tasks = self._writes.pop(gen, [])
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # the writes stay listed until they settle: a reservation waiting for RAM room must see
+        # them pending, not dirty chunks with no write (a false BudgetError, found by the fuzz)
+        await _settle(list(self._writes.get(gen, [])))
+        self._writes.pop(gen, None)
         await self._collect({gen: (key, n_chunks, False)})  # never committed: no reader leases it
 
     async def _collect(self, gens: dict[int, tuple[str, int, bool]]) -> None:

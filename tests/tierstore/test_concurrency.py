@@ -371,3 +371,27 @@ async def test_a_cancelled_prefetch_wait_does_not_cancel_a_get_sharing_its_load(
         plan.gate.set()
         s.inject_faults(None)
         await s.close()
+
+
+# ---------------------------------------------------------------- found by the 50,000-program fuzz
+
+
+async def test_put_waits_for_room_a_retiring_generation_still_holds(tmp_path) -> None:
+    # seed 1017006: a deleted, uncommitted generation's write still ran while a put waited for
+    # RAM room; the stuck check saw dirty chunks and no pending write and raised BudgetError
+    s = await tierstore.open_async(tmp_path, mode="w", chunk_bytes=256, ram_budget=256)
+    plan = GatedPlan(gated={"write"})
+    s.inject_faults(plan)
+    await s.put("a", vec(64, 1))  # one chunk, the whole budget; its write is held at the gate
+    await entered(plan)
+    await s.delete("a")  # retires the generation once its write settles
+    put_b = asyncio.ensure_future(s.put("b", vec(64, 2)))
+    await asyncio.sleep(1.5)  # longer than the tier's 1 s wait for room
+    assert not put_b.done(), put_b.exception() if put_b.done() else None
+    plan.gate.set()
+    await asyncio.wait_for(put_b, HANG)
+    s.inject_faults(None)
+    await s.commit()
+    assert torch.equal(await s.get("b"), vec(64, 2))
+    assert s.keys() == ["b"]
+    await s.close()
