@@ -26,7 +26,7 @@ HONOURED, WARNED, REFUSED = "honoured", "warned", "refused"
 
 _ONE = "one process: nothing to do, as in transformers' Trainer without a launcher"
 _NO_WORKERS = "batches are collated on the training thread (no DataLoader worker processes)"
-_DDP = "one process here; data parallel runs under torchrun through trainer.distributed"
+_DDP = "DDP's knob: under torchrun, trainer.distributed reduce-scatters each layer's gradients as a whole"
 _HUB = "push_to_hub is refused, so this has no effect"
 _BEST = "no best-model tracking (load_best_model_at_end is refused)"
 
@@ -135,7 +135,7 @@ POLICY: dict[str, tuple[str, str]] = {
     "ddp_broadcast_buffers": (WARNED, _DDP),
     "ddp_static_graph": (WARNED, _DDP),
     "ddp_backend": (WARNED, _DDP),
-    "ddp_timeout": (WARNED, _DDP),
+    "ddp_timeout": (HONOURED, "seconds a data-parallel collective waits for the other ranks (torchrun)"),
     "fsdp": (REFUSED, "the store already offloads and streams the model; FSDP sharding is not combined with it"),
     "fsdp_config": (REFUSED, "FSDP is not supported"),
     "deepspeed": (REFUSED, "the store replaces ZeRO offload; DeepSpeed is not supported"),
