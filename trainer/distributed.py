@@ -55,6 +55,9 @@ from tierstore.errors import StoreError
 from trainer.optimizer import EXP_AVG, EXP_AVG_SQ, AdamWHyper, StoreAdamW, adamw_update_
 
 MANIFEST = "dp-manifest.json"
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); older releases have only those
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 RANK_DIR = "rank-{}"
 
 
@@ -228,7 +231,7 @@ class DataParallel:
                 flat[at:at + (hi - lo) * p.unit] = src[lo * p.unit:hi * p.unit]
         out = torch.empty(block, dtype=torch.float32)
         try:
-            work = dist.reduce_scatter_tensor(out, flat, group=self.grad_group, async_op=True)
+            work = _reduce_scatter_flat(out, flat, group=self.grad_group, async_op=True)
         except Exception as e:
             raise self._fail(f"gradient reduce-scatter of group {g}", e) from e
         with self._mutex:
@@ -295,7 +298,7 @@ class DataParallel:
             lo, hi = p.rows(self.rank)
             mine[p.offset:p.offset + (hi - lo) * p.unit] = shards[p.name].reshape(-1)
         full = torch.empty(self.world * block, dtype=torch.float32)
-        self._run(f"weight all-gather of group {g}", dist.all_gather_into_tensor, full, mine, group=self.weight_group)
+        self._run(f"weight all-gather of group {g}", _all_gather_flat, full, mine, group=self.weight_group)
         out = {}
         for p in lay:
             parts = []
@@ -327,7 +330,7 @@ class DataParallel:
         """``value`` of every rank, in rank order."""
         mine = torch.tensor([value], dtype=torch.int64)
         full = torch.empty(self.world, dtype=torch.int64)
-        self._run("checkpoint vote", dist.all_gather_into_tensor, full, mine, group=self.default)
+        self._run("checkpoint vote", _all_gather_flat, full, mine, group=self.default)
         return [int(x) for x in full]
 
     def commit_manifest(self, root: str, step: int, version: int) -> None:

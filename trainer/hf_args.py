@@ -48,7 +48,7 @@ POLICY: dict[str, tuple[str, str]] = {
     "adam_epsilon": (HONOURED, "AdamW epsilon"),
     "optim_target_modules": (REFUSED, "GaLore/APOLLO-style optimizers are not implemented"),
     "gradient_accumulation_steps": (HONOURED, "loss is the token mean over the whole window (num_items_in_batch)"),
-    "average_tokens_across_devices": (HONOURED, _ONE),
+    "average_tokens_across_devices": (HONOURED, "under torchrun every rank divides by the loss tokens of the global step"),
     "max_grad_norm": (HONOURED, "global L2 clipping, torch's coefficient"),
     "label_smoothing_factor": (REFUSED, "the streaming loss is plain next-token cross entropy; label smoothing is not implemented"),
     "bf16": (HONOURED, "layers run under bf16 autocast; master weights and AdamW stay fp32"),
@@ -145,7 +145,7 @@ POLICY: dict[str, tuple[str, str]] = {
     "do_eval": (HONOURED, "not used by transformers' Trainer either: for scripts"),
     "do_predict": (HONOURED, "not used by transformers' Trainer either: for scripts"),
     "resume_from_checkpoint": (HONOURED, "not used by transformers' Trainer either: pass it to train()"),
-    "local_rank": (HONOURED, _ONE),
+    "local_rank": (HONOURED, "read from torchrun's LOCAL_RANK (the GPU of the rank); nothing to set by hand"),
 }
 
 #: light-argument fields read from an HF object of the same name

@@ -143,3 +143,23 @@ def test_local_rows_split_each_micro_batch() -> None:
     assert local_rows(micro, 1, 2)[0]["input_ids"].tolist() == [[4, 5], [6, 7]]
     with pytest.raises(DistributedError, match="dataloader_drop_last"):
         local_rows([{"input_ids": torch.zeros(1, 2)}], 0, 2)
+
+
+def test_rollback_makes_the_head_an_older_commit_again(tmp_path: Any) -> None:
+    import tierstore
+    from trainer.distributed import rollback
+
+    with tierstore.open(str(tmp_path / "s")) as s:
+        s.put("w", torch.ones(4), codec="raw")
+        s.put("opt/m", torch.full((4,), 0.5), codec="raw")
+        v1 = s.commit(step=1)
+        s.put("w", torch.zeros(4), codec="raw")  # a commit past the manifest: changed, added, deleted keys
+        s.put("extra", torch.ones(2), codec="raw")
+        s.delete("opt/m")
+        s.commit(step=2)
+        rollback(s, v1, 1)
+        assert s.versions()[-1].step == 1
+        assert sorted(s.keys()) == ["opt/m", "w"]
+        assert torch.equal(s.get("w"), torch.ones(4)) and torch.equal(s.get("opt/m"), torch.full((4,), 0.5))
+        with pytest.raises(DistributedError, match="no longer holds version 999"):
+            rollback(s, 999, 1)
