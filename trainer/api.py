@@ -11,6 +11,7 @@ from the last commit's step with the same data order and RNG state.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -25,7 +26,7 @@ from torch import nn
 import tierstore
 import tierstore.config
 from tierstore.export import write_safetensors
-from trainer import memory
+from trainer import distributed, memory
 from trainer import model as model_mod
 from trainer.args import TrainingArguments, from_hf_args, learning_rate_at
 from trainer.callbacks import TrainerControl, TrainerState, build_handler
@@ -112,10 +113,15 @@ def init(offload_dir: str | None = None, max_vram_gb: float | str | None = 80, m
 
 def _device(cfg: TrainingArguments | None = None) -> torch.device:
     if _session.device is not None:
-        return torch.device(_session.device)
-    if cfg is not None and cfg.use_cpu:
-        return torch.device("cpu")
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dev = torch.device(_session.device)
+    elif cfg is not None and cfg.use_cpu:
+        dev = torch.device("cpu")
+    else:
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _, world, local = distributed.env_world()
+    if dev.type == "cuda" and dev.index is None and world > 1:
+        dev = torch.device("cuda", local)  # torchrun: one GPU per local rank
+    return dev
 
 
 def open_store(path: str, mode: str = "a") -> Any:
@@ -152,7 +158,8 @@ def load_model(path_or_config: Any) -> nn.Module:
     import tempfile
     import warnings
 
-    path = _session.offload_dir or tempfile.mkdtemp(prefix="trainer-store-")
+    path = (distributed.rank_store_path(_session.offload_dir) if _session.offload_dir
+            else tempfile.mkdtemp(prefix="trainer-store-"))
     store = open_store(path)
     if STATE_KEY in store.keys(prefix="trainer/") and store.versions():
         model = model_mod.skeleton_for(path_or_config)
@@ -249,7 +256,16 @@ class Trainer:
         self._lock = threading.RLock()
         self._engine: StreamingEngine | None = None
         self._worker: UpdateWorker | None = None
+        # torchrun (or an initialised process group) with several ranks: data parallel, else None
+        self._dp = distributed.from_env(self._cfg.ddp_timeout, _device(self._cfg))
+        self._mark_process_zero(self.state)
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+
+    def _mark_process_zero(self, state: TrainerState) -> None:
+        # transformers' flags: its integrations (and our jsonl log) write on the world's rank 0 only
+        if self._dp is not None:
+            state.is_world_process_zero = self._dp.rank == 0
+            state.is_local_process_zero = self._dp.local_rank == 0
 
     # -- callbacks (transformers' names) --------------------------------------------------
     def add_callback(self, callback: Any) -> None:
@@ -265,8 +281,12 @@ class Trainer:
         self.callback_handler.remove_callback(callback)
 
     # -- the store -------------------------------------------------------------------------
-    def _default_store_path(self) -> str:
+    def _store_root(self) -> str:
+        # in data parallel the folder of the per-rank stores and their manifest (trainer.distributed)
         return _session.offload_dir or os.path.join(self._cfg.output_dir, "store")
+
+    def _default_store_path(self) -> str:
+        return distributed.rank_store_path(self._store_root())
 
     @property
     def store(self) -> Any:
@@ -325,11 +345,21 @@ class Trainer:
         with self._lock:
             drop_gradients(self.store)
             save_state(self.store, self.state)
-            self.store.commit(step=self.state.global_step, message=f"trainer step {self.state.global_step}")
+            version = self.store.commit(step=self.state.global_step, message=f"trainer step {self.state.global_step}")
+        if self._dp is not None:  # phase two: the manifest makes the step a checkpoint on every rank
+            self._dp.commit_manifest(self._store_root(), self.state.global_step, version)
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def _open_for_resume(self, resume: Any) -> None:
         default = self._default_store_path()
+        root = self._store_root() if resume is True else os.fspath(resume)
+        world = 1 if self._dp is None else self._dp.world
+        manifest = distributed.check_world(root, world) if os.path.isdir(root) else None
+        if self._dp is not None:
+            if manifest is None:
+                raise ValueError(f"{NO_CHECKPOINT} ({self._cfg.output_dir}): no data-parallel checkpoint "
+                                 f"({distributed.MANIFEST}) at {root}")
+            resume = os.path.join(root, distributed.RANK_DIR.format(self._dp.rank))
         path, step = resolve_resume(resume, default, self._cfg.output_dir)
         if self._store is not None and os.path.abspath(self._store.path) != os.path.abspath(path):
             self.close()
@@ -337,6 +367,10 @@ class Trainer:
             self._store = open_store(path)
         if not has_checkpoint(self._store):
             raise ValueError(f"{NO_CHECKPOINT} ({self._cfg.output_dir}): the store at {path} has no trainer checkpoint")
+        if manifest is not None and self._dp is not None and self._store.versions()[-1].step != manifest["step"]:
+            # this rank committed past the last complete checkpoint (a peer died between the phases)
+            with self._lock:
+                distributed.rollback(self._store, manifest["versions"][self._dp.rank], manifest["step"])
         steps = [v.step for v in self._store.versions()]
         if step is not None and step != steps[-1]:
             # a writer continues from the head, which is the last commit: older ones are read-only
@@ -369,6 +403,7 @@ class Trainer:
             model_mod.to_meta_(self.model)
             self._check_weights()
             self.state = load_state(self.store)
+            self._mark_process_zero(self.state)
         else:
             if getattr(args, "full_determinism", False):
                 from transformers import enable_full_determinism
@@ -377,7 +412,10 @@ class Trainer:
             torch.manual_seed(cfg.seed)
             real = self._take_weights()
             self._check_weights()
+            if self._dp is not None:  # every rank starts from rank 0's weights, as DDP does
+                self._dp.broadcast_weights(self.store, self.parts.all_params(), self._lock)
             self.state = TrainerState()
+            self._mark_process_zero(self.state)
         store = self.store
         # save_total_limit, else mt.init(keep_last=), else every checkpoint (as transformers)
         store.config.keep_last = cfg.save_total_limit or _session.keep_last or 1 << 30
@@ -385,8 +423,7 @@ class Trainer:
             save_hf_files(store, self.model, self.processing_class)
         start = self.state.global_step
         if has_length(self.train_dataset):
-            micro = micro_batches_per_epoch(len(self.train_dataset), cfg.per_device_train_batch_size,
-                                            cfg.dataloader_drop_last)
+            micro = micro_batches_per_epoch(len(self.train_dataset), self._global_batch(), cfg.dataloader_drop_last)
             per_epoch = math.ceil(micro / cfg.gradient_accumulation_steps)
             total = cfg.total_steps(per_epoch)
             epochs = math.ceil(total / per_epoch)
@@ -410,13 +447,19 @@ class Trainer:
         cfg, args, h, st = self._cfg, self.args, self.callback_handler, self.state
         store = self.store
         groups = [names for _, names in self.parts.groups()]
-        opt = StoreAdamW(store, groups, _no_decay_names(self.model), _session.optimizer_compression, self._lock)
+        dp = self._dp
+        if dp is None:
+            opt = StoreAdamW(store, groups, _no_decay_names(self.model), _session.optimizer_compression, self._lock)
+        else:  # each rank updates its rows of every parameter and all-gathers the rest
+            opt = distributed.ShardedAdamW(dp, store, groups, _no_decay_names(self.model),
+                                           _session.optimizer_compression, self._lock)
         worker = self._worker = UpdateWorker(opt.update_group)
         engine = self._engine = StreamingEngine(
             self.parts, store, _device(cfg), bf16=cfg.bf16, store_lock=self._lock, before_fetch=worker.wait_group,
             window_bytes=store.stats().get("device_budget"))
         clip, all_params = cfg.clip_norm, self.parts.all_params()
-        bar = tqdm(total=total, initial=start, disable=cfg.disable_tqdm, desc="train", dynamic_ncols=True)
+        bar = tqdm(total=total, initial=start, disable=cfg.disable_tqdm or not st.is_world_process_zero, desc="train",
+                   dynamic_ncols=True)
         sized = has_length(self.train_dataset)
         run = RunLog(start=start, t0=time.time())
         self.control = h.on_train_begin(args, st, self.control)
@@ -424,7 +467,7 @@ class Trainer:
             self._evaluate_during_train(ignore_keys)
         epoch, epoch_first = None, start
         try:
-            batches = step_batches(self.train_dataset, cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps,
+            batches = step_batches(self.train_dataset, self._global_batch(), cfg.gradient_accumulation_steps,
                                    cfg.sampler_seed, start, self.pad_token_id, self.data_collator,
                                    cfg.dataloader_drop_last, cfg.train_sampling_strategy == "random")
             for step, epoch_after, micro in batches:
@@ -440,20 +483,27 @@ class Trainer:
                 stall0, upd0 = float(store.stats().get("stall_s", 0.0)), opt.busy_s
                 lr = learning_rate_at(cfg, step, total)
                 hyper = AdamWHyper(lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay)
+                # the loss is the token mean over the global step: every rank divides by the same count
                 num_items = sum(count_loss_tokens(b["labels"]) for b in micro)
                 if num_items == 0:
                     raise ValueError(f"step {step + 1}: every label is -100; there is no loss to train on")
+                if dp is not None:
+                    micro = distributed.local_rows(micro, dp.rank, dp.world)
                 self.control = h.on_step_begin(args, st, self.control)
                 norms: dict[str, torch.Tensor] = {}
                 loss_sum, tokens = 0.0, 0
                 for j, batch in enumerate(micro):
-                    sink = grad_sink(opt, worker, norms, step + 1, hyper, clip, j, j == len(micro) - 1)
+                    sink = grad_sink(opt, worker, norms, step + 1, hyper, clip, j, j == len(micro) - 1, dp)
                     loss_sum += engine.forward_backward(batch, num_items, sink)
                     tokens += int(batch["attention_mask"].sum())
                     st.num_input_tokens_seen += (int(batch["input_ids"].numel()) if cfg.include_num_input_tokens_seen
                                                  == "all" else int(batch["attention_mask"].sum()))
                     if j < len(micro) - 1:
                         self.control = h.on_substep_end(args, st, self.control)
+                if dp is not None:  # the global step's loss and tokens; the norms of the summed gradients
+                    loss_sum, tokens_f = dp.sum([loss_sum, float(tokens)])
+                    tokens = int(tokens_f)
+                    norms = dp.grad_norms()
                 grad_norm = float(torch.linalg.vector_norm(torch.stack([norms[n] for n in all_params]), 2.0))
                 self.control = h.on_pre_optimizer_step(args, st, self.control)
                 if clip is not None:
@@ -484,6 +534,11 @@ class Trainer:
                     break
             if epoch is not None:
                 self._end_epoch(run, ignore_keys)
+        except BaseException:
+            # the loop's error is the one to report (a dead rank fails the update thread too)
+            with contextlib.suppress(BaseException):
+                worker.wait_all()
+            raise
         finally:
             bar.close()
             try:
@@ -495,13 +550,17 @@ class Trainer:
         train_loss = (run.total + run.window) / max(steps, 0.001)  # the run's mean step loss
         runtime = time.time() - run.t0
         metrics = {"train_runtime": round(runtime, 4),
-                   "train_samples_per_second": round(steps * cfg.per_device_train_batch_size
+                   "train_samples_per_second": round(steps * self._global_batch()
                                                      * cfg.gradient_accumulation_steps / runtime, 3),
                    "train_steps_per_second": round(steps / runtime, 3), "total_flos": float(st.total_flos),
                    "train_loss": train_loss}
         self.log(metrics)
         self.control = h.on_train_end(args, st, self.control)
         return TrainOutput(st.global_step, train_loss, metrics)
+
+    def _global_batch(self) -> int:
+        """Sequences per micro-batch over all ranks (each rank trains per_device_train_batch_size of them)."""
+        return self._cfg.per_device_train_batch_size * (1 if self._dp is None else self._dp.world)
 
     def _end_epoch(self, run: RunLog, ignore_keys: list[str] | None) -> None:
         self.control = self.callback_handler.on_epoch_end(self.args, self.state, self.control)
@@ -606,13 +665,16 @@ class Trainer:
         if self._store is None:
             return
         os.makedirs(self._cfg.output_dir, exist_ok=True)
-        with open(os.path.join(self._cfg.output_dir, TRACE_NAME), "w") as f:
+        name = TRACE_NAME if self._dp is None or self._dp.rank == 0 else f"trace-rank-{self._dp.rank}.json"
+        with open(os.path.join(self._cfg.output_dir, name), "w") as f:
             f.write(self._store.chrome_trace())
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False,
                    max_shard_bytes: int = 1 << 30) -> str:
         """Write config.json, safetensors shards (and the tokenizer) that from_pretrained loads."""
         out = output_dir or self._cfg.output_dir
+        if self._dp is not None and self._dp.rank != 0:
+            return out  # every rank holds the same weights: rank 0 writes them (as transformers does)
         os.makedirs(out, exist_ok=True)
         self.model.config.save_pretrained(out)
         gen = getattr(self.model, "generation_config", None)

@@ -101,6 +101,8 @@ class TrainingArguments:
     """Compute on the CPU even where CUDA is available."""
     disable_tqdm: bool = False
     """Turn the progress bar off."""
+    ddp_timeout: int = 1800
+    """Seconds a data-parallel collective waits for the other ranks before ``DistributedError``."""
 
     def __post_init__(self) -> None:
         if self.per_device_train_batch_size < 1:
@@ -115,6 +117,8 @@ class TrainingArguments:
             v = getattr(self, name)
             if not 0.0 <= v < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {v}")
+        if self.ddp_timeout <= 0:
+            raise ValueError(f"ddp_timeout must be > 0 seconds, got {self.ddp_timeout}")
         if self.adam_epsilon <= 0:
             raise ValueError(f"adam_epsilon must be > 0, got {self.adam_epsilon}")
         if self.max_grad_norm is not None and self.max_grad_norm < 0:

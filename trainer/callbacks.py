@@ -43,7 +43,7 @@ class JsonlLogCallback(TrainerCallback):
     def on_log(self, args: Any, state: TrainerState, control: TrainerControl, logs: Any = None,
                **kwargs: Any) -> None:
         """Write one line per log call."""
-        if not logs:
+        if not logs or not state.is_world_process_zero:  # data parallel: one log, rank 0's
             return
         os.makedirs(args.output_dir, exist_ok=True)
         entry = {k: _json_value(v) for k, v in {**logs, "step": state.global_step}.items()}

@@ -26,7 +26,7 @@ HONOURED, WARNED, REFUSED = "honoured", "warned", "refused"
 
 _ONE = "one process: nothing to do, as in transformers' Trainer without a launcher"
 _NO_WORKERS = "batches are collated on the training thread (no DataLoader worker processes)"
-_DDP = "one process here; data parallel runs under torchrun through trainer.distributed"
+_DDP = "DDP's knob: under torchrun, trainer.distributed reduce-scatters each layer's gradients as a whole"
 _HUB = "push_to_hub is refused, so this has no effect"
 _BEST = "no best-model tracking (load_best_model_at_end is refused)"
 
@@ -48,7 +48,7 @@ POLICY: dict[str, tuple[str, str]] = {
     "adam_epsilon": (HONOURED, "AdamW epsilon"),
     "optim_target_modules": (REFUSED, "GaLore/APOLLO-style optimizers are not implemented"),
     "gradient_accumulation_steps": (HONOURED, "loss is the token mean over the whole window (num_items_in_batch)"),
-    "average_tokens_across_devices": (HONOURED, _ONE),
+    "average_tokens_across_devices": (HONOURED, "under torchrun every rank divides by the loss tokens of the global step"),
     "max_grad_norm": (HONOURED, "global L2 clipping, torch's coefficient"),
     "label_smoothing_factor": (REFUSED, "the streaming loss is plain next-token cross entropy; label smoothing is not implemented"),
     "bf16": (HONOURED, "layers run under bf16 autocast; master weights and AdamW stay fp32"),
@@ -135,7 +135,7 @@ POLICY: dict[str, tuple[str, str]] = {
     "ddp_broadcast_buffers": (WARNED, _DDP),
     "ddp_static_graph": (WARNED, _DDP),
     "ddp_backend": (WARNED, _DDP),
-    "ddp_timeout": (WARNED, _DDP),
+    "ddp_timeout": (HONOURED, "seconds a data-parallel collective waits for the other ranks (torchrun)"),
     "fsdp": (REFUSED, "the store already offloads and streams the model; FSDP sharding is not combined with it"),
     "fsdp_config": (REFUSED, "FSDP is not supported"),
     "deepspeed": (REFUSED, "the store replaces ZeRO offload; DeepSpeed is not supported"),
@@ -145,7 +145,7 @@ POLICY: dict[str, tuple[str, str]] = {
     "do_eval": (HONOURED, "not used by transformers' Trainer either: for scripts"),
     "do_predict": (HONOURED, "not used by transformers' Trainer either: for scripts"),
     "resume_from_checkpoint": (HONOURED, "not used by transformers' Trainer either: pass it to train()"),
-    "local_rank": (HONOURED, _ONE),
+    "local_rank": (HONOURED, "read from torchrun's LOCAL_RANK (the GPU of the rank); nothing to set by hand"),
 }
 
 #: light-argument fields read from an HF object of the same name

@@ -12,15 +12,24 @@ from trainer.optimizer import AdamWHyper, StoreAdamW, UpdateWorker
 
 
 def grad_sink(opt: StoreAdamW, worker: UpdateWorker, norms: dict[str, torch.Tensor], step: int,
-               hyper: AdamWHyper, clip: float | None, j: int, last: bool) -> Any:
-    """The engine's gradient sink for micro-batch ``j`` of optimizer step ``step`` (1-based)."""
+               hyper: AdamWHyper, clip: float | None, j: int, last: bool, dp: Any = None) -> Any:
+    """The engine's gradient sink for micro-batch ``j`` of optimizer step ``step`` (1-based).
+
+    With ``dp`` (a ``trainer.distributed.DataParallel``) the final sums of each group are
+    reduce-scattered over the ranks as they arrive; the norms come from ``dp.grad_norms()``.
+    """
 
     def sink(g: int, grads: dict[str, torch.Tensor]) -> None:
-        if last and clip is None:
-            # The final sums go straight to the optimizer, not through the store.
+        if last and (clip is None or dp is not None):
+            # The final sums go straight to the optimizer (or the reduction), not through the store.
             final = grads if j == 0 else opt.add_accumulated(grads)
         else:
             final = opt.accumulate(grads, first=j == 0)
+        if last and dp is not None:
+            dp.reduce(g, final)  # async: backward goes on while the ranks sum this group
+            if clip is None:
+                worker.submit(g, step, hyper, None, None, hold=True)  # waits for the reduction itself
+            return
         if last:
             for name, t in final.items():
                 norms[name] = torch.linalg.vector_norm(t, 2.0)
