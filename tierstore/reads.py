@@ -27,7 +27,7 @@ from tierstore.records import GenRecord
 from tierstore.shards import TRAILER, ShardMap
 from tierstore.stats import Counters, Tracer
 from tierstore.tiers.device import DeviceWindow
-from tierstore.tiers.disk import IOV_MAX, DiskTier, Run
+from tierstore.tiers.disk import DiskTier, Inner
 from tierstore.tiers.host import HostTier
 
 T = TypeVar("T")
@@ -198,6 +198,8 @@ class ReadPath:
             return out
         idx = self._row_index(rec, index, rows)
         flat = idx.reshape(-1)
+        if rec.shard:
+            return await self._gather_sharded(rec, idx)
         uniq, inverse = torch.unique(flat, return_inverse=True)
         tmp = torch.empty((len(uniq), *shape[1:]), dtype=rec.decoded_dtype)
         ranges = [(r * row_numel, (r + 1) * row_numel, j * row_numel) for j, r in enumerate(uniq.tolist())]
@@ -278,6 +280,103 @@ class ReadPath:
         s, at = self._shard_map(rec).location(i)
         return self._disk.shard_path(rec.key, rec.generation, rec.grid, s), at
 
+    async def _gather_sharded(self, rec: GenRecord, idx: torch.Tensor) -> torch.Tensor:
+        """A gather of a sharded tensor: ``_fill_sharded``'s rules, vectorized over rows.
+
+        Rows are grouped by inner chunk with numpy (no per-row Python on the hot path); each
+        touched inner chunk costs one RAM-tier lookup, and each missing one a place in a
+        coalesced ``preadv`` and a cache insert.
+        """
+        shape = rec.shape
+        gen, grid = rec.generation, rec.grid
+        rows_u, inverse = np.unique(idx.reshape(-1).numpy(), return_inverse=True)
+        out = torch.empty((len(rows_u), *shape[1:]), dtype=rec.decoded_dtype)
+        if len(rows_u):
+            item = out.element_size()
+            row_bytes = grid.inner * item
+            dest = (out.view(torch.uint8) if out.dtype != torch.uint8 else out).numpy()
+            dest = dest.reshape(len(rows_u), row_bytes)
+            cr = grid.rows
+            chunk = rows_u // cr
+            local = rows_u - chunk * cr
+            cut = np.flatnonzero(chunk[1:] != chunk[:-1]) + 1
+            starts = [0, *cut.tolist()]
+            ends = [*cut.tolist(), len(rows_u)]
+            cids = chunk[starts].tolist()
+            codec = rec.codec_obj
+
+            def copy_rows(k: int, payload: np.ndarray) -> None:
+                if not codec.raw_layout:
+                    decoded = codec.decode(memoryview(payload), grid.chunk_shape, rec.torch_dtype)
+                    payload = decoded.reshape(-1).view(torch.uint8).numpy()
+                a, b = starts[k], ends[k]
+                if b - a == 1:
+                    r = int(local[a])
+                    dest[a] = payload[r * row_bytes : (r + 1) * row_bytes]
+                else:
+                    dest[a:b] = payload[: cr * row_bytes].reshape(cr, row_bytes)[local[a:b]]
+
+            misses: list[int] = []
+            lookup = self._host.lookup
+            for k, c in enumerate(cids):
+                payload = lookup((gen, c))
+                if payload is None:
+                    misses.append(k)
+                else:
+                    copy_rows(k, payload.numpy())
+            self.stats_counters.hits_host += len(cids) - len(misses)
+            if misses:
+                await self._read_inner_chunks(rec, [cids[k] for k in misses],
+                                              lambda j, p: copy_rows(misses[j], p))
+        if len(rows_u) == len(inverse) and bool((np.diff(rows_u) > 0).all()) and \
+                np.array_equal(rows_u, idx.reshape(-1).numpy()):
+            res = out
+        else:
+            res = out[torch.from_numpy(inverse.reshape(-1))]
+        # torch semantics: rows of index shape S give S + shape[1:]; an integer (0-d) drops dim 0
+        return res.reshape((*idx.shape, *shape[1:]))
+
+    async def _read_inner_chunks(self, rec: GenRecord, chunks: list[int],
+                                 use: Callable[[int, np.ndarray], None]) -> None:
+        """Read inner chunks (sorted) from their shards, cache them, hand each to ``use(j, payload)``.
+
+        Every one is cached (``try_alloc``: evicting the least recently used, never waiting);
+        when the tier cannot give a buffer the chunk is read into scratch memory instead.
+        """
+        gen = rec.generation
+        smap = self._shard_map(rec)
+        reserved: dict[int, torch.Tensor] = {}
+        bufs: list[np.ndarray] = []
+        by_shard: dict[int, list[Inner]] = {}
+        offsets = smap.offsets
+        for j, c in enumerate(chunks):
+            n, crc = rec.chunks[c]
+            buf = self._host.try_alloc(n)
+            if buf is not None:
+                reserved[j] = buf
+                b = buf.numpy()
+            else:
+                b = np.empty(n, np.uint8)
+            bufs.append(b)
+            by_shard.setdefault(c // rec.shard, []).append((c, int(offsets[c]), crc, [b]))
+        jobs = [(self._disk.shard_path(rec.key, gen, rec.grid, s), entries)
+                for s, entries in by_shard.items()]
+        t0 = time.perf_counter()
+        await self._read_jobs(rec, jobs, reserved)
+        self.stats_counters.stall_s += time.perf_counter() - t0
+        self.stats_counters.reads_disk += len(chunks)
+        self.stats_counters.bytes_read_disk += sum(rec.chunks[c][0] + TRAILER for c in chunks)
+        self.tracer.span("read", "disk", t0, time.perf_counter(), chunks=len(chunks))
+        # no await from here on: the buffers land in the tier together
+        for j, buf in reserved.items():
+            cid = (gen, chunks[j])
+            if self._host.holds(cid):
+                self._host.release(buf)  # a concurrent read cached it first
+            else:
+                self._host.insert(cid, buf, dirty=False)
+        for j, b in enumerate(bufs):
+            use(j, b)
+
     async def _fill_sharded(self, rec: GenRecord, by_chunk: dict[int, list[tuple[int, int, int]]],
                             dest: torch.Tensor, gather: bool) -> None:
         """``_fill`` for a sharded tensor: RAM hits, then every missing inner chunk in one batch.
@@ -321,7 +420,7 @@ class ReadPath:
         smap = self._shard_map(rec)
         reserved: dict[int, torch.Tensor] = {}
         scratch: dict[int, np.ndarray] = {}
-        by_shard: dict[int, list[tuple[int, int, int, list[Any]]]] = {}
+        by_shard: dict[int, list[Inner]] = {}
         for i in sorted(misses):
             n, crc = rec.chunks[i]
             pieces = by_chunk[i]
@@ -339,20 +438,8 @@ class ReadPath:
                 bufs = [scratch[i]]
             s, at = smap.location(i)
             by_shard.setdefault(s, []).append((i, at, crc, bufs))
-        jobs: list[tuple[str, list[Run]]] = []
-        for s, entries in by_shard.items():
-            runs: list[Run] = []
-            end = -1
-            iovs = 0
-            for i, at, crc, bufs in entries:
-                if at == end and iovs + len(bufs) + 1 <= IOV_MAX:
-                    runs[-1][1].append((i, crc, bufs))  # adjacent in the file: same preadv
-                    iovs += len(bufs) + 1
-                else:
-                    runs.append((at, [(i, crc, bufs)]))
-                    iovs = len(bufs) + 1
-                end = at + rec.chunks[i][0] + TRAILER
-            jobs.append((self._disk.shard_path(rec.key, gen, rec.grid, s), runs))
+        jobs = [(self._disk.shard_path(rec.key, gen, rec.grid, s), entries)
+                for s, entries in by_shard.items()]
         t0 = time.perf_counter()
         await self._read_jobs(rec, jobs, reserved)
         self.stats_counters.stall_s += time.perf_counter() - t0
@@ -371,7 +458,7 @@ class ReadPath:
             elif i in scratch:
                 copy_out(i, scratch[i])
 
-    async def _read_jobs(self, rec: GenRecord, jobs: list[tuple[str, list[Run]]],
+    async def _read_jobs(self, rec: GenRecord, jobs: list[tuple[str, list[Inner]]],
                          reserved: dict[int, torch.Tensor]) -> None:
         """Run the shard reads on up to ``io_threads`` threads; settle ``reserved`` on failure.
 
@@ -380,7 +467,7 @@ class ReadPath:
         """
         n_threads = max(1, min(len(jobs), self.config.io_threads,
                                sum(len(r) for _, r in jobs) // 16 + 1))
-        groups: list[list[tuple[str, list[Run]]]] = [[] for _ in range(n_threads)]
+        groups: list[list[tuple[str, list[Inner]]]] = [[] for _ in range(n_threads)]
         for k, job in enumerate(sorted(jobs, key=lambda j: -len(j[1]))):
             groups[k % n_threads].append(job)
         loop = asyncio.get_running_loop()

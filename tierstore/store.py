@@ -65,12 +65,13 @@ from tierstore.shards import (
 )
 from tierstore.stats import Counters, Tracer
 from tierstore.tiers.device import DeviceWindow
-from tierstore.tiers.disk import DiskTier, SyncLedger, crc_trailer
+from tierstore.tiers.disk import IOV_MAX, DiskTier, SyncLedger, crc_trailer
 from tierstore.tiers.host import HostTier
 
 T = TypeVar("T")
 _INLINE_BYTES = 1 << 20  # smaller chunks are coded on the loop thread: a thread hop costs more
 _SYNC_ON_WRITE_BYTES = 1 << 20  # larger files are fdatasync'd by the write-behind itself
+_SHARD_GROUP_BYTES = 4 << 20  # inner chunks of a shard written with one pwritev
 _STORE_ENTRIES = {"LOCK", "catalog", "data", LEASE_DIR}
 _OPEN_RETRIES = 5  # a reader retries its open when retention drops its version meanwhile
 
@@ -461,6 +462,10 @@ class AsyncStore(ReadPath):
         flat = t.reshape(-1)
         chunks: list[tuple[int, int]] = []
         at = 0  # offset of the next inner chunk in its shard file
+        group_parts: list[Any] = []
+        group_cids: list[tuple[int, int]] = []
+        group_bytes = group_at = 0
+        flush_bytes = min(_SHARD_GROUP_BYTES, (self._host.budget or _SHARD_GROUP_BYTES) // 4)
         raw_bytes = grid.chunk_numel * t.element_size()
         for i in range(grid.n_chunks):
             if codec.raw_layout:
@@ -479,13 +484,24 @@ class AsyncStore(ReadPath):
             if not shard:
                 tasks.append(self._spawn(self._write_chunk(key, gen, grid, i, payload, crc, after=dirs)))
                 continue
-            path = self._disk.shard_path(key, gen, grid, i // shard)
-            tasks.append(self._spawn(self._write_file(
-                path, [payload.numpy(), crc_trailer(crc)], (gen, i), after=dirs, at=at)))
+            # a shard is written in groups of adjacent inner chunks, one pwritev each (a task
+            # per 4 KiB row cost more than the write); a group stays well under the budget,
+            # as its chunks are dirty until it is written
+            if not group_parts:
+                group_at = at
+            group_parts += [payload.numpy(), crc_trailer(crc)]
+            group_cids.append((gen, i))
+            group_bytes += payload.numel() + TRAILER
             at += payload.numel() + TRAILER
-            if i % shard == shard - 1 or i == grid.n_chunks - 1:  # the shard's last inner chunk
-                index = shard_index([n for n, _ in chunks[i - i % shard :]], shard)
-                tasks.append(self._spawn(self._write_file(path, [index], None, after=dirs, at=at)))
+            last = i % shard == shard - 1 or i == grid.n_chunks - 1  # the shard's last inner chunk
+            if last:  # the index follows the last inner chunk: same write
+                group_parts.append(shard_index([n for n, _ in chunks[i - i % shard :]], shard))
+            if last or group_bytes >= flush_bytes or len(group_parts) >= IOV_MAX - 2:
+                path = self._disk.shard_path(key, gen, grid, i // shard)
+                tasks.append(self._spawn(self._write_file(
+                    path, group_parts, group_cids, after=dirs, at=group_at)))
+                group_parts, group_cids, group_bytes = [], [], 0
+            if last:
                 at = 0
         rec = GenRecord.new(key, gen, t.dtype, codec, grid, chunks, shard)
         return rec
@@ -513,7 +529,8 @@ class AsyncStore(ReadPath):
         await self._run_io(self._disk.make_dirs, key, gen, grid, range(grid.n_chunks), self._ledger,
                            shard)
 
-    async def _write_file(self, path: str, parts: list[Any], cid: tuple[int, int] | None,
+    async def _write_file(self, path: str, parts: list[Any],
+                          cid: tuple[int, int] | list[tuple[int, int]] | None,
                           after: asyncio.Task[None] | None = None, at: int | None = None) -> None:
         """Write ``parts`` as the file ``path`` (``at``: at that offset of a shard file)."""
         if after is not None:
@@ -527,8 +544,8 @@ class AsyncStore(ReadPath):
         if not sync:
             self._ledger.written(path)
         self.stats_counters.bytes_written_disk += n
-        if cid is not None:
-            self._host.mark_clean(cid)
+        for c in ([cid] if isinstance(cid, tuple) else cid or []):
+            self._host.mark_clean(c)  # the RAM copies turn clean
         self.tracer.span("write", "disk", t0, time.perf_counter(), bytes=n)
 
     def _retire_soon(self, key: str, gen: int, n_chunks: int) -> None:

@@ -27,8 +27,27 @@ from tierstore.shards import shard_key
 Buffer = memoryview
 #: one run of adjacent inner chunks: (file offset, [(chunk index, crc32c, payload buffers)])
 Run = tuple[int, list[tuple[int, int, list[Buffer]]]]
+#: one inner chunk to read: (chunk index, file offset, crc32c, payload buffers)
+Inner = tuple[int, int, int, list[Buffer]]
 #: buffers a single preadv may take (Linux IOV_MAX is 1024)
 IOV_MAX = 1024
+
+
+def coalesce(entries: Sequence[Inner]) -> list[Run]:
+    """Runs of file-adjacent inner chunks (``entries`` sorted by offset), each < IOV_MAX buffers."""
+    runs: list[Run] = []
+    end = -1
+    iovs = 0
+    for i, at, crc, bufs in entries:
+        k = len(bufs) + 1  # and the crc trailer
+        if at == end and iovs + k <= IOV_MAX:
+            runs[-1][1].append((i, crc, bufs))
+            iovs += k
+        else:
+            runs.append((at, [(i, crc, bufs)]))
+            iovs = k
+        end = at + sum(memoryview(b).nbytes for b in bufs) + 4
+    return runs
 _SYNCFS_ABOVE = 32  # beyond this many files and folders one syncfs beats fsync calls
 
 
@@ -193,10 +212,11 @@ class DiskTier:
             views = [memoryview(p).cast("B") for p in parts if len(memoryview(p).cast("B"))]
             offset = at or 0
             while views:
+                batch = views[:IOV_MAX]  # pwritev takes at most IOV_MAX buffers
                 if self.faults is not None and self.faults.short_writes is not None:
-                    n = pwritev_limited(fd, views, offset, self.faults.short_writes)
+                    n = pwritev_limited(fd, batch, offset, self.faults.short_writes)
                 else:
-                    n = os.pwritev(fd, views, offset)
+                    n = os.pwritev(fd, batch, offset)
                 if n == 0:
                     raise DiskError(f"write to {path} made no progress")
                 offset += n
@@ -303,10 +323,14 @@ class DiskTier:
         finally:
             os.close(fd)
 
-    def read_many(self, key: str, jobs: Sequence[tuple[str, Sequence[Run]]]) -> None:
-        """``read_runs`` for several shard files of one tensor, in one thread hop."""
-        for path, runs in jobs:
-            self.read_runs(path, key, runs)
+    def read_many(self, key: str, jobs: Sequence[tuple[str, Sequence[Inner]]]) -> None:
+        """Read inner chunks of several shard files of one tensor, in one thread hop.
+
+        Each job is a file and its inner chunks ``(chunk, offset, crc, buffers)`` sorted by
+        offset; adjacent ones are read by one ``preadv`` (``coalesce``).
+        """
+        for path, entries in jobs:
+            self.read_runs(path, key, coalesce(entries))
 
     def sync_paths(self, paths: Sequence[str]) -> None:
         """Make files and folders durable: one ``syncfs`` for many paths, else fsync each."""
