@@ -18,7 +18,12 @@ import lmdb
 from tierstore.errors import CorruptData, DiskError, FormatVersionError, StoreError, StoreNotFound
 from tierstore.records import Commit, GenRecord
 
-FORMAT_VERSION = 1
+#: the newest format this code reads. 1: one file per chunk. 2: also sharded generations
+#: (``tierstore.shards``). A catalog is created at 1 and raised to 2 by the first commit that
+#: publishes a sharded generation, so an older tierstore refuses exactly the stores it would misread
+FORMAT_VERSION = 2
+_BASE_FORMAT = 1
+SHARDED_FORMAT = 2
 _MAP_SIZE = 1 << 36  # address space only; the file grows as data is written
 
 EnvKey = tuple[int, int]  # (st_dev, st_ino) of data.mdb: one environment per file, not per path
@@ -118,7 +123,7 @@ class Catalog:
         if create and not readonly:
             with self._env.begin(write=True) as txn:
                 if txn.get(b"format_version", db=self._meta) is None:
-                    txn.put(b"format_version", str(FORMAT_VERSION).encode(), db=self._meta)
+                    txn.put(b"format_version", str(_BASE_FORMAT).encode(), db=self._meta)
         self._check_format()
 
     def _check_format(self) -> None:
@@ -149,6 +154,11 @@ class Catalog:
         """Overwrite the stored format version (tests of version checks use this)."""
         with self._env.begin(write=True) as txn:
             txn.put(b"format_version", str(version).encode(), db=self._meta)
+
+    def format_version(self) -> int:
+        """The stored format version."""
+        with self._env.begin() as txn:
+            return int(bytes(txn.get(b"format_version", db=self._meta)))
 
     def commits(self) -> list[Commit]:
         """Every retained commit, oldest first."""
@@ -185,6 +195,8 @@ class Catalog:
         try:
             with self._env.begin(write=True) as txn:
                 for rec in new_records:
+                    if rec.shard and int(bytes(txn.get(b"format_version", db=self._meta))) < SHARDED_FORMAT:
+                        txn.put(b"format_version", str(SHARDED_FORMAT).encode(), db=self._meta)
                     txn.put(_u64(rec.generation), rec.to_json(), db=self._gens)
                 txn.put(_u64(commit.version), commit.to_json(), db=self._commits)
                 for v in drop_commits:

@@ -26,6 +26,8 @@ class GenRecord:
     grid: ChunkGrid
     #: per chunk: (stored payload bytes without the crc trailer, crc32c of the payload)
     chunks: tuple[tuple[int, int], ...]
+    #: inner chunks per shard file (``tierstore.shards``); 0 = one file per chunk (format 1)
+    shard: int = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -57,15 +59,19 @@ class GenRecord:
 
     @property
     def stored_nbytes(self) -> int:
-        """Bytes on disk: payloads (scales included) plus the 4-byte crc32c trailers."""
-        return sum(n for n, _ in self.chunks) + 4 * len(self.chunks)
+        """Bytes on disk: payloads (scales included), 4-byte crc32c trailers, shard indexes."""
+        n = sum(n for n, _ in self.chunks) + 4 * len(self.chunks)
+        if self.shard:
+            n += -(-len(self.chunks) // self.shard) * (16 * self.shard + 4)
+        return n
 
     def to_json(self) -> bytes:
         """Catalog form."""
-        return json.dumps({
-            "key": self.key, "generation": self.generation, "dtype": self.dtype,
-            "codec": self.codec, "grid": self.grid.to_json(), "chunks": self.chunks,
-        }).encode()
+        d = {"key": self.key, "generation": self.generation, "dtype": self.dtype,
+             "codec": self.codec, "grid": self.grid.to_json(), "chunks": self.chunks}
+        if self.shard:
+            d["shard"] = self.shard  # absent in format-1 records: unsharded
+        return json.dumps(d).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> GenRecord:
@@ -76,6 +82,7 @@ class GenRecord:
                 key=validate_key(d["key"]), generation=int(d["generation"]),
                 dtype=str(d["dtype"]), codec=dict(d["codec"]), grid=ChunkGrid.from_json(d["grid"]),
                 chunks=tuple((int(n), int(c)) for n, c in d["chunks"]),
+                shard=int(d.get("shard", 0)),
             )
             torch_dtype(rec.dtype)
             rec.codec_obj  # noqa: B018  (the spec must name a registered codec)
@@ -83,6 +90,8 @@ class GenRecord:
             if (rec.generation < 1 or any(s < 0 for s in g.shape) or g.rows < 1
                     or not (0 <= g.split_dim < max(1, len(g.shape)))):
                 raise ValueError(f"impossible grid {g} or generation {rec.generation}")
+            if rec.shard < 0 or (rec.shard and (g.split_dim != 0 or not g.shape)):
+                raise ValueError(f"sharding {rec.shard} needs a grid split along dim 0, got {g}")
             if len(rec.chunks) != g.n_chunks or any(n < 0 or not 0 <= c < 2**32 for n, c in rec.chunks):
                 raise ValueError(f"{len(rec.chunks)} chunk entries for a grid of {g.n_chunks}")
             return rec
@@ -92,9 +101,9 @@ class GenRecord:
 
     @staticmethod
     def new(key: str, generation: int, dtype: torch.dtype, codec: Codec, grid: ChunkGrid,
-            chunks: list[tuple[int, int]]) -> GenRecord:
+            chunks: list[tuple[int, int]], shard: int = 0) -> GenRecord:
         """A record for a freshly put tensor."""
-        return GenRecord(key, generation, dtype_name(dtype), codec.spec(), grid, tuple(chunks))
+        return GenRecord(key, generation, dtype_name(dtype), codec.spec(), grid, tuple(chunks), shard)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -37,6 +37,7 @@ from tierstore.codecs import Codec, resolve
 from tierstore.config import StoreConfig
 from tierstore.dtypes import dtype_name
 from tierstore.errors import (
+    BudgetError,
     CorruptData,
     DiskError,
     KeyNotFound,
@@ -53,14 +54,24 @@ from tierstore.leases import LEASE_DIR, PinTable, ReaderLease, leased_generation
 from tierstore.prefetch import AccessPredictor
 from tierstore.reads import ReadPath
 from tierstore.records import Commit, GenRecord, TensorInfo
+from tierstore.shards import (
+    TRAILER,
+    ShardMap,
+    plan_sharded,
+    shard_count,
+    shard_index,
+    shard_members,
+    sharded_zarr_metadata,
+)
 from tierstore.stats import Counters, Tracer
 from tierstore.tiers.device import DeviceWindow
-from tierstore.tiers.disk import DiskTier, SyncLedger, crc_trailer
+from tierstore.tiers.disk import IOV_MAX, DiskTier, SyncLedger, crc_trailer
 from tierstore.tiers.host import HostTier
 
 T = TypeVar("T")
 _INLINE_BYTES = 1 << 20  # smaller chunks are coded on the loop thread: a thread hop costs more
 _SYNC_ON_WRITE_BYTES = 1 << 20  # larger files are fdatasync'd by the write-behind itself
+_SHARD_GROUP_BYTES = 4 << 20  # inner chunks of a shard written with one pwritev
 _STORE_ENTRIES = {"LOCK", "catalog", "data", LEASE_DIR}
 _OPEN_RETRIES = 5  # a reader retries its open when retention drops its version meanwhile
 
@@ -115,6 +126,7 @@ class AsyncStore(ReadPath):
         self._writes: dict[int, list[asyncio.Task[None]]] = {}
         self._retiring: set[asyncio.Task[None]] = set()
         self._reads: dict[tuple[int, int], asyncio.Task[torch.Tensor]] = {}
+        self._shard_maps: dict[int, ShardMap] = {}  # offsets of sharded generations, built on use
         self._device_loads: dict[int, asyncio.Task[None]] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._ledger = SyncLedger()  # files and folders the next commit must fsync
@@ -372,12 +384,20 @@ class AsyncStore(ReadPath):
 
     # ---------------------------------------------------------------- put
 
-    async def put(self, key: str, tensor: torch.Tensor, codec: str | dict[str, Any] | Codec = "raw") -> None:
-        """Store ``tensor`` under ``key`` as a new generation; returns once the bytes are copied."""
+    async def put(self, key: str, tensor: torch.Tensor, codec: str | dict[str, Any] | Codec = "raw",
+                  *, chunk_rows: int | None = None, shard_rows: int | None = None) -> None:
+        """Store ``tensor`` under ``key`` as a new generation; returns once the bytes are copied.
+
+        ``chunk_rows``: store it sharded (``tierstore.shards``), in inner chunks of that many
+        dim-0 rows, so that a gather reads (and the RAM tier caches) only the inner chunks
+        holding its rows; ``shard_rows`` (a multiple of it) sets the rows per shard file
+        (default: about 64 MiB a file). Without them the tensor has one file per chunk.
+        """
         self._check_writable()
         validate_key(key)
         if not isinstance(tensor, torch.Tensor):
             raise StoreError(f"put({key!r}) needs a torch.Tensor, got {type(tensor).__name__}")
+        self._check_sharding(key, tensor, chunk_rows, shard_rows)
         codec_obj = resolve(codec)
         dtype_name(tensor.dtype)
         codec_obj.check_dtype(tensor.dtype)
@@ -387,14 +407,18 @@ class AsyncStore(ReadPath):
             self.stats_counters.bytes_d2h += t.numel() * t.element_size()
         t = t.contiguous()
         assert self.config.chunk_bytes is not None
-        grid = ChunkGrid.plan(tuple(t.shape), t.element_size(), self.config.chunk_bytes)
+        shard = 0
+        if chunk_rows is None:
+            grid = ChunkGrid.plan(tuple(t.shape), t.element_size(), self.config.chunk_bytes)
+        else:
+            grid, shard = plan_sharded(tuple(t.shape), t.element_size(), chunk_rows, shard_rows)
         gen = self._next_gen
         self._disk.generation_dir(key, gen)  # InvalidKey now if its folder name is too long
         self._next_gen += 1
         t0 = time.perf_counter()
         assert self._commit_lock is not None
         try:
-            rec = await self._write_generation(key, gen, t, codec_obj, grid)
+            rec = await self._write_generation(key, gen, t, codec_obj, grid, shard)
             async with self._commit_lock:  # a commit in progress owns the head
                 # no await from here on: the put lands whole, or (cancelled above) not at all
                 old = self._head.get(key)
@@ -408,15 +432,40 @@ class AsyncStore(ReadPath):
         self.stats_counters.puts += 1
         self.tracer.span("put", "store", t0, time.perf_counter(), key=key, bytes=rec.nbytes)
 
+    def _check_sharding(self, key: str, t: torch.Tensor, chunk_rows: Any, shard_rows: Any) -> None:
+        """Reject bad ``chunk_rows``/``shard_rows`` naming the rule, before anything is written."""
+        if chunk_rows is None:
+            if shard_rows is not None:
+                raise StoreError(f"put({key!r}): shard_rows= needs chunk_rows= (rows per inner chunk)")
+            return
+        for name, v in (("chunk_rows", chunk_rows), ("shard_rows", shard_rows)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise StoreError(f"put({key!r}): {name} must be a positive int, got {v!r}")
+        if t.dim() == 0:
+            raise StoreError(f"put({key!r}, chunk_rows=...): a 0-d tensor has no rows to chunk")
+        if shard_rows is not None and shard_rows % chunk_rows:
+            raise StoreError(f"put({key!r}): shard_rows={shard_rows} must be a multiple of "
+                             f"chunk_rows={chunk_rows} (a shard holds whole inner chunks)")
+        inner = min(chunk_rows, max(1, t.shape[0])) * (t.numel() // max(1, t.shape[0])) * t.element_size()
+        if not self._host.fits(inner):
+            raise BudgetError(f"put({key!r}): an inner chunk of {chunk_rows} rows is {inner} B, more "
+                              f"than the RAM budget ({self._host.budget} B); lower chunk_rows")
+
     async def _write_generation(self, key: str, gen: int, t: torch.Tensor, codec: Codec,
-                                grid: ChunkGrid) -> GenRecord:
+                                grid: ChunkGrid, shard: int = 0) -> GenRecord:
         # nothing on the put's own path touches the disk: folders and files are write-behind
         tasks = self._writes.setdefault(gen, [])
-        dirs = self._spawn(self._make_dirs(key, gen, grid))
+        dirs = self._spawn(self._make_dirs(key, gen, grid, shard))
         tasks.append(dirs)
-        tasks.append(self._spawn(self._write_meta(key, gen, grid, t.dtype, codec, after=dirs)))
+        tasks.append(self._spawn(self._write_meta(key, gen, grid, t.dtype, codec, after=dirs,
+                                                  shard=shard)))
         flat = t.reshape(-1)
         chunks: list[tuple[int, int]] = []
+        at = 0  # offset of the next inner chunk in its shard file
+        group_parts: list[Any] = []
+        group_cids: list[tuple[int, int]] = []
+        group_bytes = group_at = 0
+        flush_bytes = min(_SHARD_GROUP_BYTES, (self._host.budget or _SHARD_GROUP_BYTES) // 4)
         raw_bytes = grid.chunk_numel * t.element_size()
         for i in range(grid.n_chunks):
             if codec.raw_layout:
@@ -432,14 +481,40 @@ class AsyncStore(ReadPath):
                 payload.copy_(encoded)  # into a buffer the RAM tier accounts for
             self._host.insert((gen, i), payload, dirty=True)
             chunks.append((payload.numel(), crc))
-            tasks.append(self._spawn(self._write_chunk(key, gen, grid, i, payload, crc, after=dirs)))
-        rec = GenRecord.new(key, gen, t.dtype, codec, grid, chunks)
+            if not shard:
+                tasks.append(self._spawn(self._write_chunk(key, gen, grid, i, payload, crc, after=dirs)))
+                continue
+            # a shard is written in groups of adjacent inner chunks, one pwritev each (a task
+            # per 4 KiB row cost more than the write); a group stays well under the budget,
+            # as its chunks are dirty until it is written
+            if not group_parts:
+                group_at = at
+            group_parts += [payload.numpy(), crc_trailer(crc)]
+            group_cids.append((gen, i))
+            group_bytes += payload.numel() + TRAILER
+            at += payload.numel() + TRAILER
+            last = i % shard == shard - 1 or i == grid.n_chunks - 1  # the shard's last inner chunk
+            if last:  # the index follows the last inner chunk: same write
+                group_parts.append(shard_index([n for n, _ in chunks[i - i % shard :]], shard))
+            if last or group_bytes >= flush_bytes or len(group_parts) >= IOV_MAX - 2:
+                path = self._disk.shard_path(key, gen, grid, i // shard)
+                tasks.append(self._spawn(self._write_file(
+                    path, group_parts, group_cids, after=dirs, at=group_at)))
+                group_parts, group_cids, group_bytes = [], [], 0
+            if last:
+                at = 0
+        rec = GenRecord.new(key, gen, t.dtype, codec, grid, chunks, shard)
         return rec
 
     async def _write_meta(self, key: str, gen: int, grid: ChunkGrid, dtype: torch.dtype,
-                          codec: Codec, after: asyncio.Task[None] | None = None) -> None:
+                          codec: Codec, after: asyncio.Task[None] | None = None,
+                          shard: int = 0) -> None:
         """Write the generation's zarr.json."""
-        meta = zarr_metadata(grid, dtype, codec, {"key": key, "generation": gen})
+        attrs = {"key": key, "generation": gen}
+        if shard:
+            meta = sharded_zarr_metadata(grid, shard, dtype, codec, attrs)
+        else:
+            meta = zarr_metadata(grid, dtype, codec, attrs)
         path = os.path.join(self._disk.generation_dir(key, gen), "zarr.json")
         await self._write_file(path, [meta], None, after=after)
 
@@ -449,12 +524,15 @@ class AsyncStore(ReadPath):
         path = self._disk.chunk_path(key, gen, grid, i)
         await self._write_file(path, [payload.numpy(), crc_trailer(crc)], (gen, i), after=after)
 
-    async def _make_dirs(self, key: str, gen: int, grid: ChunkGrid) -> None:
+    async def _make_dirs(self, key: str, gen: int, grid: ChunkGrid, shard: int = 0) -> None:
         # each new folder (and the one holding it) enters the ledger as it is made
-        await self._run_io(self._disk.make_dirs, key, gen, grid, range(grid.n_chunks), self._ledger)
+        await self._run_io(self._disk.make_dirs, key, gen, grid, range(grid.n_chunks), self._ledger,
+                           shard)
 
-    async def _write_file(self, path: str, parts: list[Any], cid: tuple[int, int] | None,
-                          after: asyncio.Task[None] | None = None) -> None:
+    async def _write_file(self, path: str, parts: list[Any],
+                          cid: tuple[int, int] | list[tuple[int, int]] | None,
+                          after: asyncio.Task[None] | None = None, at: int | None = None) -> None:
+        """Write ``parts`` as the file ``path`` (``at``: at that offset of a shard file)."""
         if after is not None:
             await after  # the generation's folders; their failure fails this write too
         assert self._write_sem is not None
@@ -462,12 +540,12 @@ class AsyncStore(ReadPath):
         sync = n >= _SYNC_ON_WRITE_BYTES
         async with self._write_sem:
             t0 = time.perf_counter()
-            await self._run_io(self._disk.write_file, path, parts, sync)
+            await self._run_io(self._disk.write_at, path, at, parts, sync)
         if not sync:
             self._ledger.written(path)
         self.stats_counters.bytes_written_disk += n
-        if cid is not None:
-            self._host.mark_clean(cid)
+        for c in ([cid] if isinstance(cid, tuple) else cid or []):
+            self._host.mark_clean(c)  # the RAM copies turn clean
         self.tracer.span("write", "disk", t0, time.perf_counter(), bytes=n)
 
     def _retire_soon(self, key: str, gen: int, n_chunks: int) -> None:
@@ -507,6 +585,7 @@ class AsyncStore(ReadPath):
             del self._deferred[g]
             self._host.drop_generation(g, n_chunks)
             self._window.forget(g)
+            self._shard_maps.pop(g, None)
             await self._run_io(self._disk.delete_generation, key, g)
 
     def _on_unpinned(self, gen: int) -> None:
@@ -602,11 +681,11 @@ class AsyncStore(ReadPath):
         try:
             for key, rec in sorted(committed.items()):
                 for i, (n, crc) in enumerate(rec.chunks):
-                    path = self._disk.chunk_path(key, rec.generation, rec.grid, i)
+                    path, at = self._chunk_location(rec, i)
                     buf = np.empty(n, np.uint8)
                     try:
                         await self._io_pinned(rec.generation, self._disk.read_chunk, path, key, i,
-                                              n, crc, [buf])
+                                              n, crc, [buf], at)
                     except CorruptData as e:
                         faults.append(e)
         finally:
@@ -637,13 +716,32 @@ class AsyncStore(ReadPath):
                 raise failures[0]  # the first failure of the retry fails the commit
 
     async def _rewrite(self, rec: GenRecord) -> list[Any]:
-        """Write coroutines for every file of ``rec`` whose data is still dirty in RAM."""
-        await self._make_dirs(rec.key, rec.generation, rec.grid)
-        coros = [self._write_meta(rec.key, rec.generation, rec.grid, rec.torch_dtype, rec.codec_obj)]
+        """Write coroutines for every file of ``rec`` whose data is still dirty in RAM.
+
+        A sharded generation rewrites its dirty inner chunks in place and every shard index
+        (small, and a failed index write leaves no dirty chunk to say so).
+        """
+        await self._make_dirs(rec.key, rec.generation, rec.grid, rec.shard)
+        coros = [self._write_meta(rec.key, rec.generation, rec.grid, rec.torch_dtype, rec.codec_obj,
+                                  shard=rec.shard)]
+        smap = self._shard_map(rec) if rec.shard else None
         for i, (_, crc) in enumerate(rec.chunks):
             payload = self._host.dirty_payload((rec.generation, i))
-            if payload is not None:
+            if payload is None:
+                continue
+            if smap is None:
                 coros.append(self._write_chunk(rec.key, rec.generation, rec.grid, i, payload, crc))
+            else:
+                s, at = smap.location(i)
+                path = self._disk.shard_path(rec.key, rec.generation, rec.grid, s)
+                coros.append(self._write_file(path, [payload.numpy(), crc_trailer(crc)],
+                                              (rec.generation, i), at=at))
+        if smap is not None:
+            for s in range(shard_count(rec.grid, rec.shard)):
+                members = shard_members(rec.grid, rec.shard, s)
+                index = shard_index([rec.chunks[i][0] for i in members], rec.shard)
+                path = self._disk.shard_path(rec.key, rec.generation, rec.grid, s)
+                coros.append(self._write_file(path, [index], None, at=int(smap.data_end[s])))
         return coros
 
     async def commit(self, step: int | None = None, message: str = "") -> int:

@@ -22,8 +22,32 @@ from tierstore.errors import CorruptData, DiskError
 from tierstore.faults import FaultPlan, pwritev_limited
 from tierstore.keys import generation_relpath, parse_generation_relpath
 from tierstore.layout import ChunkGrid
+from tierstore.shards import shard_key
 
 Buffer = memoryview
+#: one run of adjacent inner chunks: (file offset, [(chunk index, crc32c, payload buffers)])
+Run = tuple[int, list[tuple[int, int, list[Buffer]]]]
+#: one inner chunk to read: (chunk index, file offset, crc32c, payload buffers)
+Inner = tuple[int, int, int, list[Buffer]]
+#: buffers a single preadv may take (Linux IOV_MAX is 1024)
+IOV_MAX = 1024
+
+
+def coalesce(entries: Sequence[Inner]) -> list[Run]:
+    """Runs of file-adjacent inner chunks (``entries`` sorted by offset), each < IOV_MAX buffers."""
+    runs: list[Run] = []
+    end = -1
+    iovs = 0
+    for i, at, crc, bufs in entries:
+        k = len(bufs) + 1  # and the crc trailer
+        if at == end and iovs + k <= IOV_MAX:
+            runs[-1][1].append((i, crc, bufs))
+            iovs += k
+        else:
+            runs.append((at, [(i, crc, bufs)]))
+            iovs = k
+        end = at + sum(memoryview(b).nbytes for b in bufs) + 4
+    return runs
 _SYNCFS_ABOVE = 32  # beyond this many files and folders one syncfs beats fsync calls
 
 
@@ -127,14 +151,23 @@ class DiskTier:
         """The file of chunk ``i``."""
         return os.path.join(self.generation_dir(key, generation), grid.zarr_key(i))
 
+    def shard_path(self, key: str, generation: int, grid: ChunkGrid, s: int) -> str:
+        """The file of shard ``s`` of a sharded generation (``tierstore.shards``)."""
+        return os.path.join(self.generation_dir(key, generation), shard_key(grid, s))
+
     def make_dirs(self, key: str, generation: int, grid: ChunkGrid, chunks: range,
-                  ledger: SyncLedger | None = None) -> list[str]:
+                  ledger: SyncLedger | None = None, shard: int = 0) -> list[str]:
         """Create the folders the chunks need; record each in ``ledger`` as it is made.
 
-        Returns the folders created; on a failure part-way the ledger still holds the ones made.
+        ``shard`` > 0: the chunks are inner chunks, ``shard`` to a file. Returns the folders
+        created; on a failure part-way the ledger still holds the ones made.
         """
         created: list[str] = []
-        wanted = {os.path.dirname(self.chunk_path(key, generation, grid, i)) for i in chunks}
+        if shard:
+            files = {self.shard_path(key, generation, grid, i // shard) for i in chunks}
+        else:
+            files = {self.chunk_path(key, generation, grid, i) for i in chunks}
+        wanted = {os.path.dirname(f) for f in files}
         wanted.add(self.generation_dir(key, generation))
         for d in sorted(wanted):
             parts: list[str] = []
@@ -161,19 +194,29 @@ class DiskTier:
         Syncing large chunks here, on a write-behind thread, keeps the disk busy while puts go
         on; small files are synced in one batch by the commit (``sync_paths``).
         """
+        self.write_at(path, None, parts, sync)
+
+    def write_at(self, path: str, at: int | None, parts: Sequence[Buffer], sync: bool) -> None:
+        """Write ``parts`` at byte ``at`` of ``path`` (created if new); ``None``: the whole file.
+
+        A shard file is written in pieces by concurrent calls (each inner chunk at its offset,
+        the index at the end), so those open it without truncating.
+        """
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if at is None else 0)
         try:
             self.check_faults("write", path)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(path, flags, 0o644)
         except OSError as e:
             raise DiskError(f"cannot create {path}: {e.strerror}") from e
         try:
             views = [memoryview(p).cast("B") for p in parts if len(memoryview(p).cast("B"))]
-            offset = 0
+            offset = at or 0
             while views:
+                batch = views[:IOV_MAX]  # pwritev takes at most IOV_MAX buffers
                 if self.faults is not None and self.faults.short_writes is not None:
-                    n = pwritev_limited(fd, views, offset, self.faults.short_writes)
+                    n = pwritev_limited(fd, batch, offset, self.faults.short_writes)
                 else:
-                    n = os.pwritev(fd, views, offset)
+                    n = os.pwritev(fd, batch, offset)
                 if n == 0:
                     raise DiskError(f"write to {path} made no progress")
                 offset += n
@@ -187,8 +230,14 @@ class DiskTier:
             os.close(fd)
 
     def read_chunk(self, path: str, key: str, chunk: int, payload_len: int, crc: int,
-                   into: Sequence[Buffer]) -> None:
-        """Read a chunk's payload into ``into`` (buffers summing to ``payload_len``), check crc."""
+                   into: Sequence[Buffer], at: int | None = None) -> None:
+        """Read a chunk's payload into ``into`` (buffers summing to ``payload_len``), check crc.
+
+        ``at``: the chunk is an inner chunk at that offset of a shard file.
+        """
+        if at is not None:
+            self.read_runs(path, key, [(at, [(chunk, crc, list(into))])])
+            return
         trailer = bytearray(4)
         views = [memoryview(b).cast("B") for b in into] + [memoryview(trailer)]
         try:
@@ -221,6 +270,67 @@ class DiskTier:
         stored = int.from_bytes(trailer, "little")
         if stored != crc or checksum(views[:-1]) != crc:
             raise CorruptData(f"checksum mismatch in {key!r} chunk {chunk}: {path}", key, chunk)
+
+    def read_runs(self, path: str, key: str, runs: Sequence[Run]) -> None:
+        """Read runs of adjacent inner chunks of one shard file, one ``preadv`` a run; check each.
+
+        A run is ``(offset, [(chunk, crc, buffers), ...])``: the buffers of each inner chunk sum
+        to its payload; its 4-byte crc32c trailer is read after them. A run must hold at most
+        ``_IOV_MAX`` buffers with the trailers (the caller splits longer ones).
+        """
+        try:
+            self.check_faults("read", path)
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            first = runs[0][1][0][0] if runs and runs[0][1] else 0
+            raise CorruptData(f"shard file of {key!r} chunk {first} is missing: {path}",
+                              key, first) from None
+        except OSError as e:
+            raise DiskError(f"cannot open {path}: {e.strerror}") from e
+        try:
+            size = os.fstat(fd).st_size
+            for at, items in runs:
+                trailers = [bytearray(4) for _ in items]
+                views: list[memoryview] = []
+                for (_, _, bufs), tr in zip(items, trailers, strict=True):
+                    views.extend(memoryview(b).cast("B") for b in bufs)
+                    views.append(memoryview(tr))
+                total = sum(len(v) for v in views)
+                if at + total > size:
+                    # name the first inner chunk the file does not hold whole
+                    end = at
+                    for (i, _, bufs), _tr in zip(items, trailers, strict=True):
+                        end += sum(memoryview(b).nbytes for b in bufs) + 4
+                        if end > size:
+                            raise CorruptData(
+                                f"shard file of {key!r} ends at {size} B, inside chunk {i} "
+                                f"(truncated): {path}", key, i)
+                offset = at
+                pending = [v for v in views if len(v)]
+                while pending:
+                    n = os.preadv(fd, pending, offset)
+                    if n == 0:
+                        raise CorruptData(f"shard file of {key!r} ended early at chunk "
+                                          f"{items[0][0]}: {path}", key, items[0][0])
+                    offset += n
+                    pending = _consume(pending, n)
+                for (i, crc, bufs), tr in zip(items, trailers, strict=True):
+                    if int.from_bytes(tr, "little") != crc or checksum(bufs) != crc:
+                        raise CorruptData(f"checksum mismatch in {key!r} chunk {i} "
+                                          f"(inner chunk of {path})", key, i)
+        except OSError as e:
+            raise DiskError(f"reading {path} failed: {e.strerror} (errno {e.errno})") from e
+        finally:
+            os.close(fd)
+
+    def read_many(self, key: str, jobs: Sequence[tuple[str, Sequence[Inner]]]) -> None:
+        """Read inner chunks of several shard files of one tensor, in one thread hop.
+
+        Each job is a file and its inner chunks ``(chunk, offset, crc, buffers)`` sorted by
+        offset; adjacent ones are read by one ``preadv`` (``coalesce``).
+        """
+        for path, entries in jobs:
+            self.read_runs(path, key, coalesce(entries))
 
     def sync_paths(self, paths: Sequence[str]) -> None:
         """Make files and folders durable: one ``syncfs`` for many paths, else fsync each."""
