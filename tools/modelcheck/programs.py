@@ -29,6 +29,7 @@ FEATURES = (
     "reopen",  # close-and-reopen barriers, with and without a commit
     "versions",  # read-only opens of every retained version at barriers
     "device",  # gets and prefetches into the device window (the CPU window without CUDA)
+    "sharded",  # puts in the sharded layout (inner chunks of a few rows in shard files)
 )
 
 #: features that hit a known, unfixed store defect: their test variants are xfail(strict=False)
@@ -70,6 +71,8 @@ class Op:
     style: str = ""  # cancel: "wait_for" (tiny timeout) or "cancel" (task.cancel after yields)
     delay: int = 0  # cancel: loop yields (or microseconds of timeout) before cancelling
     commit: bool = True  # reopen: close with or without a commit
+    chunk_rows: int = 0  # put: rows per inner chunk of the sharded layout (0: one file per chunk)
+    shard_rows: int = 0  # put: rows per shard file (0: the store's default)
 
     def describe(self) -> str:
         """One line for a listing of the program."""
@@ -77,6 +80,8 @@ class Op:
         k = self.kind
         if k == "put":
             what = f"put {self.key} v{self.vid} {self.dtype}{list(self.shape)} {self.codec}"
+            if self.chunk_rows:
+                what += f" chunk_rows={self.chunk_rows} shard_rows={self.shard_rows or None}"
         elif k in ("get", "delete"):
             what = f"{k} {self.key}" + (" device" if self.device else "")
         elif k == "slice":
@@ -169,8 +174,14 @@ def _actor_op(rng: random.Random, actor: int, is_async: bool, all_keys: list[str
     r = rng.random()
     if r < 0.32:
         vids[0] += 1
-        op = Op("put", actor, key, vid=vids[0], shape=_shape(rng), dtype=rng.choice(DTYPES),
-                codec=rng.choice(CODECS))
+        shape = _shape(rng)
+        chunk_rows = shard_rows = 0
+        # drawn only with the feature, so programs without it stay what their seeds gave before
+        if "sharded" in feats and shape and rng.random() < 0.4:
+            chunk_rows = rng.randint(1, 4)
+            shard_rows = chunk_rows * rng.choice((0, 1, 2, 5))
+        op = Op("put", actor, key, vid=vids[0], shape=shape, dtype=rng.choice(DTYPES),
+                codec=rng.choice(CODECS), chunk_rows=chunk_rows, shard_rows=shard_rows)
     elif r < 0.62:
         other = "cross_reads" in feats and rng.random() < 0.4
         op = _read_op(rng, actor, rng.choice(all_keys) if other else key, feats)
