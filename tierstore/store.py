@@ -290,6 +290,7 @@ class AsyncStore(ReadPath):
                 self._disk.delete_generation(key, gen)
 
     def _release_files(self) -> None:
+        self._disk.open_files.close()
         if self._lease is not None:
             self._lease.release()
             self._lease = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import numpy as np
 import pytest
@@ -208,3 +209,62 @@ def test_cancelled_gathers_leave_the_tier_consistent(tmp_path) -> None:
             await s.close()
 
     asyncio.run(run())
+
+
+def _open_fds_under(folder: str) -> list[str]:
+    """Files under ``folder`` this process holds open."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor)
+        if target.startswith(str(folder) + os.sep):
+            out.append(target)
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_shard_descriptors_are_cached_bounded_and_released(tmp_path) -> None:
+    t = _table()
+    s = tierstore.open(tmp_path / "s", "w", ram_budget=BUDGET, keep_last=1)
+    try:
+        s.async_store._disk.open_files.capacity = 4
+        s.put("emb", t, chunk_rows=CHUNK_ROWS, shard_rows=SHARD_ROWS)
+        s.commit()
+        data = os.path.join(str(tmp_path / "s"), "data")
+        _check_gathers(s, t)  # reads all 18 shards: at most 4 descriptors stay open
+        held = _open_fds_under(data)
+        assert 0 < len(held) <= 4, held
+        folder = s.zarr_path("emb")
+        s.put("emb", t + 1, chunk_rows=CHUNK_ROWS, shard_rows=SHARD_ROWS)
+        s.commit()  # the first generation is deleted (in the background): its descriptors close
+        for _ in range(200):
+            if not [p for p in _open_fds_under(data) if p.startswith(folder + os.sep)]:
+                break
+            time.sleep(0.05)
+        assert not [p for p in _open_fds_under(data) if p.startswith(folder + os.sep)]
+        assert not os.path.exists(folder)
+        assert torch.equal(s.get("emb", index=torch.tensor([3, 599])), (t + 1)[[3, 599]])
+    finally:
+        s.close()
+    assert _open_fds_under(data) == []  # close releases every descriptor
+
+
+def test_open_files_never_closes_a_descriptor_in_use(tmp_path) -> None:
+    from tierstore.tiers.disk import OpenFiles
+
+    paths = []
+    for i in range(3):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(bytes([i]) * 8)
+        paths.append(str(p))
+    files = OpenFiles(capacity=1)
+    with files.open(paths[0]) as fd0:
+        with files.open(paths[1]), files.open(paths[2]):
+            pass  # f0 and f1 leave the cache while f0 is in use
+        assert os.pread(fd0, 8, 0) == bytes([0]) * 8  # still open for its reader
+        files.forget(str(tmp_path))
+        assert os.pread(fd0, 8, 0) == bytes([0]) * 8
+    assert files._fds == {} and files._retired == {}  # closed once let go
+    assert _open_fds_under(str(tmp_path)) == []

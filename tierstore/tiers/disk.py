@@ -1,7 +1,9 @@
 """The NVMe tier: chunk files in the zarr v3 layout, read and written with pread/pwrite.
 
 Every method here is a plain blocking function; the store runs them on its own I/O thread pool.
-Each call opens and closes its own file descriptor, so no descriptor is shared between threads.
+Each call opens and closes its own file descriptor, except reads of shard files, which share a
+small cache of read-only descriptors (``OpenFiles``): a gather of a few rows is one ``preadv``,
+and an open is a path walk that, with cold metadata, costs several disk reads on its own.
 A chunk file is the codec payload followed by a 4-byte little-endian crc32c of it, which is
 exactly zarr's ``crc32c`` codec: plain zarr checks the same checksums.
 """
@@ -14,7 +16,9 @@ import errno
 import os
 import shutil
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import crc32c
 
@@ -127,6 +131,79 @@ class SyncLedger:
             return len(self._paths)
 
 
+class OpenFiles:
+    """Read-only descriptors of recently read files, shared by the io threads (LRU, bounded).
+
+    A descriptor in use is never closed under its reader: eviction and ``forget`` close it when
+    its last user lets go. Files are never replaced in place (a generation's folder is new and
+    its files are written where they lie), so a cached descriptor always reads the current bytes.
+    """
+
+    def __init__(self, capacity: int = 64):
+        self.capacity = capacity
+        self._lock = threading.Lock()
+        self._fds: OrderedDict[str, list[int]] = OrderedDict()  # path -> [fd, users]
+        self._retired: dict[int, int] = {}  # fd -> users, of descriptors dropped while in use
+
+    @contextmanager
+    def open(self, path: str) -> Iterator[int]:
+        """A read-only descriptor of ``path`` for the ``with`` block (OSError as ``os.open``)."""
+        with self._lock:
+            entry = self._fds.get(path)
+            if entry is not None:
+                entry[1] += 1
+                self._fds.move_to_end(path)
+        if entry is None:
+            fd = os.open(path, os.O_RDONLY)
+            with self._lock:
+                entry = self._fds.get(path)
+                if entry is None:  # another thread may have opened it meanwhile: keep one
+                    entry = self._fds[path] = [fd, 1]
+                    self._evict()
+                else:
+                    entry[1] += 1
+                    os.close(fd)
+        try:
+            yield entry[0]
+        finally:
+            with self._lock:
+                self._release(entry)
+
+    def _release(self, entry: list[int]) -> None:
+        fd = entry[0]
+        if fd in self._retired:
+            self._retired[fd] -= 1
+            if not self._retired[fd]:
+                del self._retired[fd]
+                os.close(fd)
+        else:
+            entry[1] -= 1
+
+    def _drop(self, path: str) -> None:
+        fd, users = self._fds.pop(path)
+        if users:
+            self._retired[fd] = users  # its last user closes it
+        else:
+            os.close(fd)
+
+    def _evict(self) -> None:
+        while len(self._fds) > self.capacity:
+            self._drop(next(iter(self._fds)))
+
+    def forget(self, folder: str) -> None:
+        """Close (or mark for closing) every descriptor of a file under ``folder``."""
+        prefix = folder.rstrip(os.sep) + os.sep
+        with self._lock:
+            for path in [p for p in self._fds if p.startswith(prefix)]:
+                self._drop(path)
+
+    def close(self) -> None:
+        """Close every unused descriptor; those in use close when their reader lets go."""
+        with self._lock:
+            for path in list(self._fds):
+                self._drop(path)
+
+
 class DiskTier:
     """Owns ``<root>/data``: one folder per tensor generation, one file per chunk."""
 
@@ -134,6 +211,7 @@ class DiskTier:
         self.data_dir = os.path.join(os.path.realpath(root), "data")
         #: fault injection for tests; None in normal use
         self.faults: FaultPlan | None = None
+        self.open_files = OpenFiles()
 
     def check_faults(self, site: str, path: str) -> None:
         """Raise the injected OSError if the fault plan fails this call (tests); else nothing."""
@@ -280,48 +358,47 @@ class DiskTier:
         """
         try:
             self.check_faults("read", path)
-            fd = os.open(path, os.O_RDONLY)
+            with self.open_files.open(path) as fd:
+                self._read_runs(fd, path, key, runs)
         except FileNotFoundError:
             first = runs[0][1][0][0] if runs and runs[0][1] else 0
             raise CorruptData(f"shard file of {key!r} chunk {first} is missing: {path}",
                               key, first) from None
         except OSError as e:
-            raise DiskError(f"cannot open {path}: {e.strerror}") from e
-        try:
-            size = os.fstat(fd).st_size
-            for at, items in runs:
-                trailers = [bytearray(4) for _ in items]
-                views: list[memoryview] = []
-                for (_, _, bufs), tr in zip(items, trailers, strict=True):
-                    views.extend(memoryview(b).cast("B") for b in bufs)
-                    views.append(memoryview(tr))
-                total = sum(len(v) for v in views)
-                if at + total > size:
-                    # name the first inner chunk the file does not hold whole
-                    end = at
-                    for (i, _, bufs), _tr in zip(items, trailers, strict=True):
-                        end += sum(memoryview(b).nbytes for b in bufs) + 4
-                        if end > size:
-                            raise CorruptData(
-                                f"shard file of {key!r} ends at {size} B, inside chunk {i} "
-                                f"(truncated): {path}", key, i)
-                offset = at
-                pending = [v for v in views if len(v)]
-                while pending:
-                    n = os.preadv(fd, pending, offset)
-                    if n == 0:
-                        raise CorruptData(f"shard file of {key!r} ended early at chunk "
-                                          f"{items[0][0]}: {path}", key, items[0][0])
-                    offset += n
-                    pending = _consume(pending, n)
-                for (i, crc, bufs), tr in zip(items, trailers, strict=True):
-                    if int.from_bytes(tr, "little") != crc or checksum(bufs) != crc:
-                        raise CorruptData(f"checksum mismatch in {key!r} chunk {i} "
-                                          f"(inner chunk of {path})", key, i)
-        except OSError as e:
             raise DiskError(f"reading {path} failed: {e.strerror} (errno {e.errno})") from e
-        finally:
-            os.close(fd)
+
+    def _read_runs(self, fd: int, path: str, key: str, runs: Sequence[Run]) -> None:
+        """``read_runs`` on an open descriptor of ``path``."""
+        size = os.fstat(fd).st_size
+        for at, items in runs:
+            trailers = [bytearray(4) for _ in items]
+            views: list[memoryview] = []
+            for (_, _, bufs), tr in zip(items, trailers, strict=True):
+                views.extend(memoryview(b).cast("B") for b in bufs)
+                views.append(memoryview(tr))
+            total = sum(len(v) for v in views)
+            if at + total > size:
+                # name the first inner chunk the file does not hold whole
+                end = at
+                for (i, _, bufs), _tr in zip(items, trailers, strict=True):
+                    end += sum(memoryview(b).nbytes for b in bufs) + 4
+                    if end > size:
+                        raise CorruptData(
+                            f"shard file of {key!r} ends at {size} B, inside chunk {i} "
+                            f"(truncated): {path}", key, i)
+            offset = at
+            pending = [v for v in views if len(v)]
+            while pending:
+                n = os.preadv(fd, pending, offset)
+                if n == 0:
+                    raise CorruptData(f"shard file of {key!r} ended early at chunk "
+                                      f"{items[0][0]}: {path}", key, items[0][0])
+                offset += n
+                pending = _consume(pending, n)
+            for (i, crc, bufs), tr in zip(items, trailers, strict=True):
+                if int.from_bytes(tr, "little") != crc or checksum(bufs) != crc:
+                    raise CorruptData(f"checksum mismatch in {key!r} chunk {i} "
+                                      f"(inner chunk of {path})", key, i)
 
     def read_many(self, key: str, jobs: Sequence[tuple[str, Sequence[Inner]]]) -> None:
         """Read inner chunks of several shard files of one tensor, in one thread hop.
@@ -369,6 +446,7 @@ class DiskTier:
     def delete_generation(self, key: str, generation: int) -> None:
         """Remove one generation's folder and its now-empty parents."""
         path = self.generation_dir(key, generation)
+        self.open_files.forget(path)
         try:
             self.check_faults("delete", path)
         except OSError:
