@@ -359,14 +359,7 @@ class ReadPath:
                 b = np.empty(n, np.uint8)
             bufs.append(b)
             by_shard.setdefault(c // rec.shard, []).append((c, int(offsets[c]), crc, [b]))
-        jobs = [(self._disk.shard_path(rec.key, gen, rec.grid, s), entries)
-                for s, entries in by_shard.items()]
-        t0 = time.perf_counter()
-        await self._read_jobs(rec, jobs, reserved)
-        self.stats_counters.stall_s += time.perf_counter() - t0
-        self.stats_counters.reads_disk += len(chunks)
-        self.stats_counters.bytes_read_disk += sum(rec.chunks[c][0] + TRAILER for c in chunks)
-        self.tracer.span("read", "disk", t0, time.perf_counter(), chunks=len(chunks))
+        await self._read_shards(rec, gen, by_shard, reserved, chunks)
         # no await from here on: the buffers land in the tier together
         for j, buf in reserved.items():
             cid = (gen, chunks[j])
@@ -438,14 +431,7 @@ class ReadPath:
                 bufs = [scratch[i]]
             s, at = smap.location(i)
             by_shard.setdefault(s, []).append((i, at, crc, bufs))
-        jobs = [(self._disk.shard_path(rec.key, gen, rec.grid, s), entries)
-                for s, entries in by_shard.items()]
-        t0 = time.perf_counter()
-        await self._read_jobs(rec, jobs, reserved)
-        self.stats_counters.stall_s += time.perf_counter() - t0
-        self.stats_counters.reads_disk += len(misses)
-        self.stats_counters.bytes_read_disk += sum(rec.chunks[i][0] + TRAILER for i in misses)
-        self.tracer.span("read", "disk", t0, time.perf_counter(), chunks=len(misses))
+        await self._read_shards(rec, gen, by_shard, reserved, misses)
         # no await from here to the inserts: the buffers land in the tier together
         for i, buf in reserved.items():
             if self._host.holds((gen, i)):
@@ -457,6 +443,18 @@ class ReadPath:
                 copy_out(i, reserved[i])
             elif i in scratch:
                 copy_out(i, scratch[i])
+
+    async def _read_shards(self, rec: GenRecord, gen: int, by_shard: dict[int, list[Any]],
+                           reserved: dict[int, torch.Tensor], chunks: Sequence[int]) -> None:
+        """Read the inner chunks ``by_shard`` lists (per shard file), counted as ``chunks``."""
+        jobs = [(self._disk.shard_path(rec.key, gen, rec.grid, s), entries)
+                for s, entries in by_shard.items()]
+        t0 = time.perf_counter()
+        await self._read_jobs(rec, jobs, reserved)
+        self.stats_counters.stall_s += time.perf_counter() - t0
+        self.stats_counters.reads_disk += len(chunks)
+        self.stats_counters.bytes_read_disk += sum(rec.chunks[c][0] + TRAILER for c in chunks)
+        self.tracer.span("read", "disk", t0, time.perf_counter(), chunks=len(chunks))
 
     async def _read_jobs(self, rec: GenRecord, jobs: list[tuple[str, list[Inner]]],
                          reserved: dict[int, torch.Tensor]) -> None:

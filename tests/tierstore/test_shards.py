@@ -52,6 +52,15 @@ def _check_gathers(s: tierstore.Store, t: torch.Tensor) -> None:
     assert torch.equal(s.get("emb"), t)
 
 
+def _committed_table(path) -> tuple[torch.Tensor, str]:
+    """The table put sharded and committed at ``path``; returns it and its zarr folder."""
+    t = _table()
+    with tierstore.open(path, "w", ram_budget=BUDGET) as s:
+        s.put("emb", t, chunk_rows=CHUNK_ROWS, shard_rows=SHARD_ROWS)
+        s.commit()
+        return t, s.zarr_path("emb")
+
+
 @pytest.mark.parametrize("codec", ["raw", "zstd"])
 def test_gathers_equal_torch_indexing(tmp_path, codec: str) -> None:
     t = _table()
@@ -92,11 +101,7 @@ def _flip(path: str, offset: int) -> None:
 
 
 def test_corrupt_inner_chunk_is_named(tmp_path) -> None:
-    t = _table()
-    with tierstore.open(tmp_path / "s", "w", ram_budget=BUDGET) as s:
-        s.put("emb", t, chunk_rows=CHUNK_ROWS, shard_rows=SHARD_ROWS)
-        s.commit()
-        folder = s.zarr_path("emb")
+    t, folder = _committed_table(tmp_path / "s")
     # inner chunk 9 = position 4 of shard 1 (rows 63..69)
     _flip(os.path.join(folder, "c", "1", "0"), 4 * (INNER + TRAILER) + 100)
     with tierstore.open(tmp_path / "s", "r", ram_budget=BUDGET) as s:
@@ -112,11 +117,7 @@ def test_corrupt_inner_chunk_is_named(tmp_path) -> None:
 
 
 def test_truncated_shard_names_the_chunk(tmp_path) -> None:
-    t = _table()
-    with tierstore.open(tmp_path / "s", "w", ram_budget=BUDGET) as s:
-        s.put("emb", t, chunk_rows=CHUNK_ROWS, shard_rows=SHARD_ROWS)
-        s.commit()
-        folder = s.zarr_path("emb")
+    t, folder = _committed_table(tmp_path / "s")
     os.truncate(os.path.join(folder, "c", "2", "0"), 2 * (INNER + TRAILER) + 10)  # inside chunk 12
     with tierstore.open(tmp_path / "s", "r", ram_budget=BUDGET) as s:
         with pytest.raises(tierstore.CorruptData) as e:
