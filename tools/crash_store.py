@@ -2,8 +2,9 @@
 
     python -m tools.crash_store --trials 50 [--dir DIR]
 
-Each trial starts a writer process that puts tensors and commits in a loop, kills it after a
-random delay (during puts, write-back, fsync or the LMDB commit), reopens the store as a writer
+Each trial starts a writer process that puts tensors (one a table in the sharded layout) and
+commits in a loop, kills it after a random delay (during puts, write-back, fsync or the LMDB
+commit), reopens the store as a writer
 (which deletes the dead writer's orphans), checks that the last commit is intact (checksums of
 every chunk) and holds exactly the values of its step, then runs a few more commits on it.
 """
@@ -23,22 +24,26 @@ import torch
 
 import tierstore
 
-KEYS = 6
+KEYS = 7
+SHARDED = 6  # this key is a table in the sharded layout (inner chunks of 4 rows, 64 to a shard)
 
 
 def expected(seed: int, step: int, j: int) -> torch.Tensor:
     """The value key ``j`` holds after ``step``: written at the last step divisible by j+1."""
     last = step - step % (j + 1)
     g = torch.Generator().manual_seed(seed * 100_003 + last * 101 + j)
-    n = [10, 3000, 40_000, 150_000, 1, 70_000][j]
-    return torch.randn(n, generator=g)
+    n = [10, 3000, 40_000, 150_000, 1, 70_000, 48_000][j]
+    t = torch.randn(n, generator=g)
+    return t.view(-1, 16) if j == SHARDED else t
 
 
 def write_step(store: tierstore.Store, seed: int, step: int) -> None:
     """Put the keys that change at ``step``."""
     for j in range(KEYS):
         if step % (j + 1) == 0:
-            store.put(f"layers.{j}.w", expected(seed, step, j), codec="zstd" if j == 2 else "raw")
+            layout = {"chunk_rows": 4, "shard_rows": 256} if j == SHARDED else {}
+            store.put(f"layers.{j}.w", expected(seed, step, j), codec="zstd" if j == 2 else "raw",
+                      **layout)
 
 
 def writer(path: str, seed: int, start: int) -> None:
