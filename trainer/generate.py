@@ -1,0 +1,376 @@
+"""Generation on the trainer's machinery: layers stream through the device window, the KV cache lives in the store.
+
+``generate`` runs the same ``StreamingEngine`` pieces as training and evaluation (prelude, each
+decoder layer, norm + head) once per new token, for the whole batch at once: every token costs one
+pass over the weights whatever the batch size (FlexGen's schedule), and while a piece computes,
+the next one's weights (and KV blocks) are prefetched from the known plan, wrapping around from
+the head to the next token's prelude.
+
+The KV cache is a ``transformers`` ``Cache`` whose layers keep their keys and values in the store:
+each layer's positions are cut into blocks of ``kv_block_tokens``; a full block is ``put`` under
+``generate/<run>/kv/<layer>/<block>`` (keys and values stacked: one tensor, one read) and read back
+through the device window when the layer runs, so it sits in the window, the RAM tier or on disk
+as the budgets allow, and a long context spills like any tensor. The unfilled last block of each
+layer (fewer than ``kv_block_tokens`` positions) stays on the compute device outside the budgets:
+a fixed overhead of ``layers x 2 x batch x kv_heads x kv_block_tokens x head_dim`` elements.
+The blocks are deleted when ``generate`` returns.
+
+The contract with transformers' in-memory ``model.generate``: the same position ids (from the
+attention mask, left padding allowed), the same mask handling (an all-ones mask is dropped, as
+transformers does), the same logits warpers (its own ``TemperatureLogitsWarper``,
+``TopKLogitsWarper``, ``TopPLogitsWarper``, in its order), the same EOS/padding rule, and the same
+keys and values in every attention: greedy tokens are equal, and sampling with the same torch
+seed draws the same tokens (one ``torch.multinomial`` per step over the batch, as transformers).
+
+Threads: everything runs on the caller's thread; store calls go through the store's sync facade.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.grad_drain import GradDrain
+from trainer.model import ModelParts, decompose
+from trainer.streaming import StreamingEngine
+
+KV_PREFIX = "generate/"
+
+
+class StoreKV:
+    """Per-layer keys and values in store blocks of ``block`` positions, plus an unfilled tail on the device."""
+
+    def __init__(self, store: Any, n_layers: int, device: torch.device, block: int) -> None:
+        if block < 1:
+            raise ValueError(f"kv_block_tokens must be >= 1, got {block}")
+        self.store = store
+        self.device = device
+        self.block = block
+        self.prefix = f"{KV_PREFIX}{uuid.uuid4().hex[:12]}/kv/"
+        self.blocks = [0] * n_layers
+        self.tails: list[torch.Tensor | None] = [None] * n_layers
+        self.length = [0] * n_layers
+        self.window_bytes = store.stats().get("device_budget")
+
+    def key(self, layer: int, block: int) -> str:
+        """The store key of one block of one layer."""
+        return f"{self.prefix}{layer}/{block}"
+
+    def keys(self, layer: int) -> list[str]:
+        """The store keys of the layer's full blocks, in position order."""
+        return [self.key(layer, b) for b in range(self.blocks[layer])]
+
+    def block_bytes(self, layer: int) -> int:
+        """Bytes of the layer's blocks in the store."""
+        tail = self.tails[layer]
+        if tail is None or not self.blocks[layer]:
+            return 0
+        return self.blocks[layer] * tail[:, :, :, :1].numel() * self.block * tail.element_size()
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new positions; return every position's keys and values (transformers' DynamicLayer.update)."""
+        new = torch.stack([k, v])  # [2, batch, heads, positions, head_dim]
+        parts = [self.store.get(key, device=self.device) for key in self.keys(layer)]
+        tail = self.tails[layer]
+        if tail is not None:
+            parts.append(tail)
+        parts.append(new)
+        full = torch.cat(parts, dim=3) if len(parts) > 1 else new
+        del parts
+        # Full blocks leave for the store; only the unfilled rest stays on the device.
+        rest = torch.cat([tail, new], dim=3) if tail is not None else new
+        while rest.shape[3] >= self.block:
+            self.store.put(self.key(layer, self.blocks[layer]), rest[:, :, :, : self.block].contiguous())
+            self.blocks[layer] += 1
+            rest = rest[:, :, :, self.block:]
+        self.tails[layer] = rest.clone() if rest.shape[3] else rest[:, :, :, :0].clone()
+        self.length[layer] += k.shape[2]
+        return full[0], full[1]
+
+    def delete(self) -> None:
+        """Delete every block this cache put."""
+        for layer in range(len(self.blocks)):
+            for key in self.keys(layer):
+                self.store.delete(key)
+            self.blocks[layer] = 0
+            self.tails[layer] = None
+
+
+def _cache(kv: StoreKV) -> Any:
+    """A transformers ``Cache`` whose layers are ``kv``'s (so the model's masks and attention use it)."""
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class StoreKVLayer(DynamicLayer):
+        """One layer of the cache: its keys and values live in the store (``StoreKV``)."""
+
+        def __init__(self, idx: int) -> None:
+            super().__init__()
+            self.idx = idx
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            self.device = key_states.device
+            self.is_initialized = True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            return kv.update(self.idx, key_states, value_states)
+
+        def get_seq_length(self) -> int:
+            return kv.length[self.idx]
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return kv.length[self.idx] + query_length, 0
+
+    return Cache(layers=[StoreKVLayer(i) for i in range(len(kv.blocks))])
+
+
+def _warpers(do_sample: bool, temperature: float | None, top_k: int | None, top_p: float | None) -> list[Any]:
+    """transformers' own logits warpers, in the order its ``generate`` applies them."""
+    if not do_sample:
+        return []
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    out: list[Any] = []
+    if temperature is not None and temperature != 1.0:
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when do_sample=True, got {temperature} "
+                             "(top_k=1 or do_sample=False pick the most likely token)")
+        out.append(TemperatureLogitsWarper(temperature))
+    if top_k is not None and top_k != 0:
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_k}")
+        out.append(TopKLogitsWarper(top_k=top_k))
+    if top_p is not None and top_p < 1.0:
+        if not 0.0 <= top_p:
+            raise ValueError(f"top_p must be in [0, 1], got {top_p}")
+        out.append(TopPLogitsWarper(top_p=top_p))
+    return out
+
+
+def _eos_list(eos: int | list[int] | None) -> list[int]:
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _source(model: Any) -> tuple[nn.Module, Any, bool]:
+    """(meta skeleton, store, whether we opened the store) for a load_model result, a store or a store folder."""
+    store = getattr(model, "_trainer_store", None)
+    if isinstance(model, nn.Module):
+        if store is None:
+            raise TypeError("generate streams a model whose weights live in a store: pass the result of "
+                            "trainer.load_model(...), a trainer's model, a tierstore Store or a store folder "
+                            "(an in-memory model generates with its own model.generate)")
+        return model, store, False
+    opened = False
+    if isinstance(model, (str, os.PathLike)):
+        from trainer.api import open_store
+
+        path = os.fspath(model)
+        if not os.path.isdir(os.path.join(path, "catalog")):
+            raise ValueError(f"{path}: not a tierstore store (no catalog/ in it)")
+        from trainer.api import _open_stores
+
+        known = _open_stores.get(os.path.abspath(path))
+        opened = known is None or known.closed  # a store the session already has open stays open
+        store = open_store(path)
+    elif hasattr(model, "get") and hasattr(model, "keys"):
+        store = model
+    else:
+        raise TypeError(f"generate takes a model from trainer.load_model, a Store or a store folder, "
+                        f"got {type(model).__name__}")
+    return skeleton_from_store(store), store, opened
+
+
+def skeleton_from_store(store: Any) -> nn.Module:
+    """The meta-device skeleton of the model whose config the store keeps under ``meta/hf/config.json``."""
+    import json
+
+    from transformers import AutoConfig
+
+    from trainer.checkpoint import HF_META, get_bytes
+    from trainer.model import skeleton_for
+
+    key = HF_META + "config.json"
+    if key not in store:
+        raise ValueError(f"the store at {getattr(store, 'path', '?')} has no {key}: it was not written by the "
+                         "trainer nor imported from a Hugging Face folder, so its model is unknown")
+    d = json.loads(get_bytes(store, key))
+    config = AutoConfig.for_model(**d)
+    model = skeleton_for(config)
+    gen_key = HF_META + "generation_config.json"
+    if gen_key in store:
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_dict(json.loads(get_bytes(store, gen_key)))
+    return model
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    was = model.training
+    model.eval()  # no dropout (GPT-2 has some), as transformers' generate on a from_pretrained model
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    # The skeleton's buffers (rotary tables) stay where they were made: on the CPU.
+    for mod in model.modules():
+        for name, b in list(mod._buffers.items()):
+            if b is not None and b.device != device:
+                mod._buffers[name] = b.to(device)
+
+
+class Generator:
+    """One model's streaming generation: the engine, the plan of reads, and the per-call KV cache."""
+
+    def __init__(self, model: nn.Module, store: Any, device: torch.device | str | None = None) -> None:
+        if device is None:
+            from trainer.api import _device
+
+            device = _device()
+        self.device = torch.device(device)
+        self.model = model
+        self.store = store
+        self.parts: ModelParts = decompose(model)
+        have = set(store.keys())
+        missing = [n for n in self.parts.all_params() if n not in have]
+        if missing:
+            raise ValueError(f"the store at {getattr(store, 'path', '?')} lacks {len(missing)} weights of "
+                             f"{type(model).__name__}, e.g. {missing[:3]}")
+        if self.device.type != "cpu":
+            _buffers_to(model, self.device)
+        self.engine = StreamingEngine(self.parts, store, self.device, window_bytes=store.stats().get("device_budget"),
+                                      drain=GradDrain(self.device, None, threaded=False))
+        self.n_layers = len(self.parts.layers)
+        self.n_groups = self.n_layers + 2
+
+    def _prefetch_next(self, g: int, kv: StoreKV) -> None:
+        """Hint the piece after ``g`` (wrapping to the next token's prelude) and its KV blocks."""
+        nxt = (g + 1) % self.n_groups
+        self.engine._prefetch(nxt, g)
+        layer = nxt - 1
+        if 0 <= layer < self.n_layers and kv.blocks[layer]:
+            w = kv.window_bytes
+            room = w is None or (self.engine.read_bytes[nxt] + self.engine.read_bytes[g] + kv.block_bytes(layer)) <= w
+            self.store.prefetch(kv.keys(layer), to="device" if room else "host")
+
+    def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+             kv: StoreKV, cache: Any) -> torch.Tensor:
+        """One forward of the new positions through every piece; the last position's fp32 logits."""
+        eng = self.engine
+        w, held = eng._fetch(0, grad=False)
+        self._prefetch_next(0, kv)
+        cap = eng._prelude(w, {"input_ids": input_ids, "attention_mask": attention_mask},
+                           {"cache": cache, "use_cache": True, "position_ids": position_ids})
+        del w, held
+        h = cap.args[0]
+        cap.args = (None, *cap.args[1:])
+        for i in range(self.n_layers):
+            w, held = eng._fetch(i + 1, grad=False)
+            self._prefetch_next(i + 1, kv)
+            h = eng._layer(i, w, h, cap)
+            del w, held
+        w, held = eng._fetch(self.n_layers + 1, grad=False)
+        self._prefetch_next(self.n_layers + 1, kv)
+        logits = eng._head(w, h[:, -1:, :])
+        del w, held
+        return logits[:, -1, :].to(torch.float32)
+
+
+def generate(model: Any, input_ids: torch.Tensor, max_new_tokens: int = 32, do_sample: bool = False,
+             temperature: float | None = 1.0, top_k: int | None = None, top_p: float | None = None,
+             attention_mask: torch.Tensor | None = None, eos_token_id: int | list[int] | None = None,
+             pad_token_id: int | None = None, generator: torch.Generator | None = None, seed: int | None = None,
+             device: torch.device | str | None = None, kv_block_tokens: int = 64,
+             on_token: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """Token ids ``[batch, prompt + new]`` as transformers' ``generate``, streaming the layers from the store.
+
+    ``model``: a ``trainer.load_model`` result (or a trainer's model), a ``tierstore.Store`` or a
+    store folder the trainer wrote (or ``tierstore import`` filled from a Hugging Face folder).
+    ``eos_token_id``/``pad_token_id`` default to the model's generation config, as in transformers.
+    Sampling draws from ``generator`` (or a new one seeded with ``seed``; neither: torch's global
+    RNG, as transformers). ``on_token(new_ids)`` is called after each step with the ``[batch]`` ids.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    skeleton, store, opened = _source(model)
+    if not isinstance(input_ids, torch.Tensor):
+        input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+    if input_ids.dim() == 1:
+        input_ids = input_ids.unsqueeze(0)
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [batch, prompt_length] with a prompt, got shape {tuple(input_ids.shape)}")
+    if attention_mask is not None and attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} differs from input_ids "
+                         f"{tuple(input_ids.shape)}")
+    gen_cfg = getattr(skeleton, "generation_config", None)
+    if eos_token_id is None and gen_cfg is not None:
+        eos_token_id = gen_cfg.eos_token_id
+    eos = _eos_list(eos_token_id)
+    if pad_token_id is None and gen_cfg is not None:
+        pad_token_id = gen_cfg.pad_token_id
+    if pad_token_id is None and eos:
+        pad_token_id = eos[0]  # transformers does the same (with a warning)
+    warpers = _warpers(do_sample, temperature, top_k, top_p)
+    gen = Generator(skeleton, store, device)
+    dev = gen.device
+    if do_sample and generator is None and seed is not None:
+        generator = torch.Generator(device=dev)
+        generator.manual_seed(seed)
+    ids = input_ids.to(dev)
+    mask = attention_mask.to(dev).long() if attention_mask is not None else torch.ones_like(ids)
+    position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    # transformers drops an all-ones mask (no padding): the attention takes its causal path
+    keep_mask = not bool((mask == 1).all())
+    kv = StoreKV(store, gen.n_layers, dev, kv_block_tokens)
+    cache = _cache(kv)
+    unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=dev)
+    eos_t = torch.tensor(eos, device=dev) if eos else None
+    step_ids, step_pos = ids, position_ids
+    try:
+        with _eval_mode(skeleton), torch.no_grad():
+            for _ in range(max_new_tokens):
+                logits = gen.step(step_ids, mask if keep_mask else None, step_pos, kv, cache)
+                scores = logits
+                for warp in warpers:
+                    scores = warp(ids, scores)
+                if do_sample:
+                    probs = torch.softmax(scores, dim=-1)
+                    nxt = torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+                else:
+                    nxt = torch.argmax(scores, dim=-1)
+                if eos_t is not None:
+                    nxt = torch.where(unfinished, nxt, torch.full_like(nxt, int(pad_token_id)))  # type: ignore[arg-type]
+                ids = torch.cat([ids, nxt[:, None]], dim=-1)
+                if on_token is not None:
+                    on_token(nxt)
+                if eos_t is not None:
+                    unfinished &= ~torch.isin(nxt, eos_t)
+                    if not bool(unfinished.any()):
+                        break
+                mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+                step_pos = step_pos[:, -1:] + 1
+                step_ids = nxt[:, None]
+    finally:
+        kv.delete()
+        if opened:
+            from trainer.api import close_store
+
+            close_store(store)
+    return ids
