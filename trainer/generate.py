@@ -46,7 +46,8 @@ KV_PREFIX = "generate/"
 class StoreKV:
     """Per-layer keys and values in store blocks of ``block`` positions, plus an unfilled tail on the device."""
 
-    def __init__(self, store: Any, n_layers: int, device: torch.device, block: int) -> None:
+    def __init__(self, store: Any, n_layers: int, device: torch.device, block: int,
+                 layer_bytes: list[int] | None = None) -> None:
         if block < 1:
             raise ValueError(f"kv_block_tokens must be >= 1, got {block}")
         self.store = store
@@ -57,6 +58,11 @@ class StoreKV:
         self.tails: list[torch.Tensor | None] = [None] * n_layers
         self.length = [0] * n_layers
         self.window_bytes = store.stats().get("device_budget")
+        self.one_block_bytes = 0
+        self.layer_bytes = layer_bytes or [0] * n_layers
+        """Bytes of each layer's weights, held in the window while its KV blocks are read."""
+        self.host_reads = 0
+        """Blocks read to the host because the layer's KV did not fit beside its weights in the window."""
 
     def key(self, layer: int, block: int) -> str:
         """The store key of one block of one layer."""
@@ -68,15 +74,22 @@ class StoreKV:
 
     def block_bytes(self, layer: int) -> int:
         """Bytes of the layer's blocks in the store."""
-        tail = self.tails[layer]
-        if tail is None or not self.blocks[layer]:
-            return 0
-        return self.blocks[layer] * tail[:, :, :, :1].numel() * self.block * tail.element_size()
+        return self.blocks[layer] * self.one_block_bytes
+
+    def fits(self, layer: int) -> bool:
+        """Whether the layer's blocks fit the window beside its weights (then they are read into it)."""
+        w = self.window_bytes
+        return w is None or self.layer_bytes[layer] + self.block_bytes(layer) <= w
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new positions; return every position's keys and values (transformers' DynamicLayer.update)."""
         new = torch.stack([k, v])  # [2, batch, heads, positions, head_dim]
-        parts = [self.store.get(key, device=self.device) for key in self.keys(layer)]
+        parts = [self.store.get(key, device=self.device if self.fits(layer) else None) for key in self.keys(layer)]
+        if parts and not self.fits(layer):
+            # too long a context for the window beside the layer's weights: the blocks come
+            # through the RAM tier (from disk when they spilled) and go up one layer at a time
+            self.host_reads += len(parts)
+            parts = [p.to(self.device) for p in parts]
         tail = self.tails[layer]
         if tail is not None:
             parts.append(tail)
@@ -85,6 +98,7 @@ class StoreKV:
         del parts
         # Full blocks leave for the store; only the unfilled rest stays on the device.
         rest = torch.cat([tail, new], dim=3) if tail is not None else new
+        self.one_block_bytes = new[:, :, :, :1].numel() * self.block * new.element_size()
         while rest.shape[3] >= self.block:
             self.store.put(self.key(layer, self.blocks[layer]), rest[:, :, :, : self.block].contiguous())
             self.blocks[layer] += 1
@@ -163,6 +177,13 @@ def _eos_list(eos: int | list[int] | None) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _default(value: Any, gen_cfg: Any, name: str, fallback: Any) -> Any:
+    if value is not None:
+        return value
+    got = getattr(gen_cfg, name, None)
+    return fallback if got is None else got
 
 
 def _source(model: Any) -> tuple[nn.Module, Any, bool]:
@@ -267,8 +288,9 @@ class Generator:
         layer = nxt - 1
         if 0 <= layer < self.n_layers and kv.blocks[layer]:
             w = kv.window_bytes
+            # to the window when the next piece and its blocks fit beside what runs now
             room = w is None or (self.engine.read_bytes[nxt] + self.engine.read_bytes[g] + kv.block_bytes(layer)) <= w
-            self.store.prefetch(kv.keys(layer), to="device" if room else "host")
+            self.store.prefetch(kv.keys(layer), to="device" if room and kv.fits(layer) else "host")
 
     def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
              kv: StoreKV, cache: Any) -> torch.Tensor:
@@ -294,7 +316,7 @@ class Generator:
 
 
 def generate(model: Any, input_ids: torch.Tensor, max_new_tokens: int = 32, do_sample: bool = False,
-             temperature: float | None = 1.0, top_k: int | None = None, top_p: float | None = None,
+             temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
              attention_mask: torch.Tensor | None = None, eos_token_id: int | list[int] | None = None,
              pad_token_id: int | None = None, generator: torch.Generator | None = None, seed: int | None = None,
              device: torch.device | str | None = None, kv_block_tokens: int = 64,
@@ -303,8 +325,9 @@ def generate(model: Any, input_ids: torch.Tensor, max_new_tokens: int = 32, do_s
 
     ``model``: a ``trainer.load_model`` result (or a trainer's model), a ``tierstore.Store`` or a
     store folder the trainer wrote (or ``tierstore import`` filled from a Hugging Face folder).
-    ``eos_token_id``/``pad_token_id`` default to the model's generation config, as in transformers.
-    Sampling draws from ``generator`` (or a new one seeded with ``seed``; neither: torch's global
+    ``eos_token_id``, ``pad_token_id``, ``temperature``, ``top_k`` and ``top_p`` default to the
+    model's generation config, as in transformers (whose defaults are 1.0, 50 and 1.0: pass
+    ``top_k=0`` for no top-k filter). Sampling draws from ``generator`` (or a new one seeded with ``seed``; neither: torch's global
     RNG, as transformers). ``on_token(new_ids)`` is called after each step with the ``[batch]`` ids.
     """
     if max_new_tokens < 0:
@@ -327,6 +350,10 @@ def generate(model: Any, input_ids: torch.Tensor, max_new_tokens: int = 32, do_s
         pad_token_id = gen_cfg.pad_token_id
     if pad_token_id is None and eos:
         pad_token_id = eos[0]  # transformers does the same (with a warning)
+    # unset in the generation config: transformers' global defaults
+    temperature = _default(temperature, gen_cfg, "temperature", 1.0)
+    top_k = _default(top_k, gen_cfg, "top_k", 50)
+    top_p = _default(top_p, gen_cfg, "top_p", 1.0)
     warpers = _warpers(do_sample, temperature, top_k, top_p)
     gen = Generator(skeleton, store, device)
     dev = gen.device
@@ -338,7 +365,7 @@ def generate(model: Any, input_ids: torch.Tensor, max_new_tokens: int = 32, do_s
     position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     # transformers drops an all-ones mask (no padding): the attention takes its causal path
     keep_mask = not bool((mask == 1).all())
-    kv = StoreKV(store, gen.n_layers, dev, kv_block_tokens)
+    kv = StoreKV(store, gen.n_layers, dev, kv_block_tokens, gen.engine.read_bytes[1:-1])
     cache = _cache(kv)
     unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=dev)
     eos_t = torch.tensor(eos, device=dev) if eos else None
