@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer import memory
 from trainer.grad_drain import GradDrain
 from trainer.model import ModelParts, decompose
 from trainer.streaming import StreamingEngine
@@ -371,7 +372,7 @@ def generate(model: Any, input_ids: torch.Tensor, max_new_tokens: int = 32, do_s
     eos_t = torch.tensor(eos, device=dev) if eos else None
     step_ids, step_pos = ids, position_ids
     try:
-        with _eval_mode(skeleton), torch.no_grad():
+        with _eval_mode(skeleton), torch.no_grad(), memory.reuse_freed_buffers():
             for _ in range(max_new_tokens):
                 logits = gen.step(step_ids, mask if keep_mask else None, step_pos, kv, cache)
                 scores = logits

@@ -146,3 +146,34 @@ def test_bad_inputs_say_what_is_wrong(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match="temperature must be > 0"):
         mt.generate(skeleton, torch.ones(1, 3, dtype=torch.long), do_sample=True, temperature=0.0)
     assert os.path.isdir(str(tmp_path / "store"))
+
+
+def test_cli_generate_prints_transformers_tokens_and_leaves_the_store_as_it_was(tmp_path: Any, capsys: Any) -> None:
+    import tierstore
+    from tools.cli import main
+
+    model = build(llama_config(2)).eval()
+    model.save_pretrained(str(tmp_path / "hf"))
+    store = str(tmp_path / "store")
+    assert main(["--quiet", "import", str(tmp_path / "hf"), store]) == 0
+    with tierstore.open(store, mode="r") as ro:
+        before = (ro.keys(), [v.version for v in ro.versions()])
+    capsys.readouterr()
+    prompts = ["def f(x):", "import os"]
+    argv = ["--quiet", "generate", store, "--ids", "--max-new-tokens", "8", "--device-budget", "320KiB"]
+    assert main([*argv, *[a for p in prompts for a in ("--prompt", p)]]) == 0
+    out, err = capsys.readouterr()
+    assert "tokens/s" in err
+    ids, mask = _encode_bytes(prompts)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    want = [" ".join(map(str, row[ids.shape[1]:].tolist())) for row in ref]
+    assert out.splitlines() == want
+    with tierstore.open(store, mode="r") as ro:
+        assert (ro.keys(), [v.version for v in ro.versions()]) == before
+    assert main(["--quiet", "generate", str(tmp_path), "--prompt", "x"]) == 2
+
+
+def _encode_bytes(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    from tools.generate_cmd import _encode
+
+    return _encode(prompts, None, 256)
