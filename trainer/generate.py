@@ -9,11 +9,13 @@ the head to the next token's prelude.
 The KV cache is a ``transformers`` ``Cache`` whose layers keep their keys and values in the store:
 each layer's positions are cut into blocks of ``kv_block_tokens``; a full block is ``put`` under
 ``generate/<run>/kv/<layer>/<block>`` (keys and values stacked: one tensor, one read) and read back
-through the device window when the layer runs, so it sits in the window, the RAM tier or on disk
-as the budgets allow, and a long context spills like any tensor. The unfilled last block of each
-layer (fewer than ``kv_block_tokens`` positions) stays on the compute device outside the budgets:
-a fixed overhead of ``layers x 2 x batch x kv_heads x kv_block_tokens x head_dim`` elements.
-The blocks are deleted when ``generate`` returns.
+into the device window when the layer runs (with its weights, in one store hop, when they fit
+beside; else one block at a time), so it sits in the window, the RAM tier or on disk as the budgets
+allow, and a long context spills like any tensor. Every other KV byte is one window tensor taken
+at the start (``Store.window_empty``): the running layer's keys and values for attention, and each
+layer's unfilled last block. So all of generation's memory is in the budgets; a window without room
+for a layer, the workspace and one block raises ``BudgetError`` before any weight is read
+(``kv_workspace_bytes`` says how much). The blocks are deleted when ``generate`` returns.
 
 The contract with transformers' in-memory ``model.generate``: the same position ids (from the
 attention mask, left padding allowed), the same mask handling (an all-ones mask is dropped, as
@@ -22,7 +24,10 @@ transformers does), the same logits warpers (its own ``TemperatureLogitsWarper``
 keys and values in every attention: greedy tokens are equal, and sampling with the same torch
 seed draws the same tokens (one ``torch.multinomial`` per step over the batch, as transformers).
 
-Threads: everything runs on the caller's thread; store calls go through the store's sync facade.
+Threads: everything runs on the caller's thread; store calls go through the store's sync facade,
+one hop per piece (``Store.get_many`` reads its weights and starts the next piece's prefetch).
+The pieces run with the window tensors swapped into the skeleton's parameters in place (what
+``functional_call`` does, without its walk over every named tensor per call).
 """
 
 from __future__ import annotations
@@ -45,10 +50,18 @@ KV_PREFIX = "generate/"
 
 
 class StoreKV:
-    """Per-layer keys and values in store blocks of ``block`` positions, plus an unfilled tail on the device."""
+    """Per-layer keys and values in store blocks of ``block`` positions; the layer running now in a window workspace.
+
+    Every byte is in a budget: full blocks are store tensors (window, RAM tier or disk); the
+    workspace is one device-window tensor (``Store.window_empty``) that holds the running layer's
+    keys and values for attention (``2 x batch x kv_heads x positions x head_dim``, sized for the
+    longest context once) and every layer's unfilled last block (``layers x 2 x batch x kv_heads x
+    kv_block_tokens x head_dim``). When the layer's blocks do not fit the window beside its weights
+    and the workspace, they are read one at a time into the workspace.
+    """
 
     def __init__(self, store: Any, n_layers: int, device: torch.device, block: int,
-                 layer_bytes: list[int] | None = None) -> None:
+                 layer_bytes: list[int] | None = None, max_positions: int = 0) -> None:
         if block < 1:
             raise ValueError(f"kv_block_tokens must be >= 1, got {block}")
         self.store = store
@@ -56,14 +69,20 @@ class StoreKV:
         self.block = block
         self.prefix = f"{KV_PREFIX}{uuid.uuid4().hex[:12]}/kv/"
         self.blocks = [0] * n_layers
-        self.tails: list[torch.Tensor | None] = [None] * n_layers
         self.length = [0] * n_layers
+        self.tail_len = [0] * n_layers
         self.window_bytes = store.stats().get("device_budget")
         self.one_block_bytes = 0
         self.layer_bytes = layer_bytes or [0] * n_layers
         """Bytes of each layer's weights, held in the window while its KV blocks are read."""
-        self.host_reads = 0
-        """Blocks read to the host because the layer's KV did not fit beside its weights in the window."""
+        self.max_positions = max_positions
+        self.workspace: torch.Tensor | None = None
+        """One window tensor: the running layer's keys and values, then each layer's unfilled block."""
+        self.workspace_bytes = 0
+        self.fetched: dict[int, list[torch.Tensor]] = {}
+        """Blocks read together with a layer's weights (one store hop), consumed by ``update``."""
+        self.single_reads = 0
+        """Blocks read one at a time because the layer's did not fit the window beside its weights."""
 
     def key(self, layer: int, block: int) -> str:
         """The store key of one block of one layer."""
@@ -78,43 +97,101 @@ class StoreKV:
         return self.blocks[layer] * self.one_block_bytes
 
     def fits(self, layer: int) -> bool:
-        """Whether the layer's blocks fit the window beside its weights (then they are read into it)."""
+        """Whether the layer's blocks fit the window at once beside its weights and the workspace."""
         w = self.window_bytes
-        return w is None or self.layer_bytes[layer] + self.block_bytes(layer) <= w
+        return w is None or self.layer_bytes[layer] + self.workspace_bytes + self.block_bytes(layer) <= w
+
+    def allocate(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        """Take the workspace from the window (before any weight is read: a window too small fails at once)."""
+        n_layers = len(self.blocks)
+        self._full_numel = 2 * batch * heads * self.max_positions * head_dim
+        # a tail never holds a whole block (it leaves for the store), nor more than the context
+        cap = min(self.block, self.max_positions)
+        self._tail_shape = (2, batch, heads, cap, head_dim)
+        tail_numel = 2 * batch * heads * cap * head_dim
+        numel = self._full_numel + n_layers * tail_numel
+        self.workspace_bytes = numel * torch.empty((), dtype=dtype).element_size()
+        from tierstore.errors import BudgetError
+
+        biggest = max(self.layer_bytes, default=0)
+        one_read = self.one_block_bytes_for(batch, heads, head_dim, dtype)
+        if self.window_bytes is not None and self.workspace_bytes + one_read + biggest > self.window_bytes:
+            raise BudgetError(
+                f"generation's KV workspace ({self.workspace_bytes} B: keys and values of {self.max_positions} "
+                f"positions x batch {batch} x {heads} heads x {head_dim} for the running layer, and {n_layers} "
+                f"unfilled blocks of {self.block} positions), one block read ({one_read} B) and a layer's "
+                f"weights ({biggest} B) do not fit the device window ({self.window_bytes} B): raise "
+                "max_vram_gb, or lower the batch, max_new_tokens or kv_block_tokens"
+            )
+        self.workspace = self.store.window_empty((numel,), dtype)
+        self._tails = [self.workspace[self._full_numel + i * tail_numel: self._full_numel + (i + 1) * tail_numel]
+                       .view(self._tail_shape) for i in range(n_layers)]
+        self.one_block_bytes = 2 * batch * heads * self.block * head_dim * self.workspace.element_size()
+
+    def one_block_bytes_for(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Window room to read one block back (0 when the context never fills a block)."""
+        if self.max_positions < self.block:
+            return 0
+        return 2 * batch * heads * self.block * head_dim * torch.empty((), dtype=dtype).element_size()
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new positions; return every position's keys and values (transformers' DynamicLayer.update)."""
-        new = torch.stack([k, v])  # [2, batch, heads, positions, head_dim]
-        parts = [self.store.get(key, device=self.device if self.fits(layer) else None) for key in self.keys(layer)]
-        if parts and not self.fits(layer):
-            # too long a context for the window beside the layer's weights: the blocks come
-            # through the RAM tier (from disk when they spilled) and go up one layer at a time
-            self.host_reads += len(parts)
-            parts = [p.to(self.device) for p in parts]
-        tail = self.tails[layer]
-        if tail is not None:
-            parts.append(tail)
-        parts.append(new)
-        full = torch.cat(parts, dim=3) if len(parts) > 1 else new
-        del parts
-        # Full blocks leave for the store; only the unfilled rest stays on the device.
-        rest = torch.cat([tail, new], dim=3) if tail is not None else new
-        self.one_block_bytes = new[:, :, :, :1].numel() * self.block * new.element_size()
-        while rest.shape[3] >= self.block:
-            self.store.put(self.key(layer, self.blocks[layer]), rest[:, :, :, : self.block].contiguous())
+        if self.workspace is None:
+            self.allocate(k.shape[0], k.shape[1], k.shape[3], k.dtype)
+        assert self.workspace is not None
+        b, h, t_new, d = k.shape
+        if (b, h, d) != (self._tail_shape[1], self._tail_shape[2], self._tail_shape[4]) \
+                or k.dtype != self.workspace.dtype:
+            raise ValueError(f"layer {layer}'s keys {tuple(k.shape)} {k.dtype} differ from the first layer's "
+                             f"{self._tail_shape[1:3]} {self.workspace.dtype}: per-layer KV shapes are not supported")
+        n = self.length[layer]
+        total = n + t_new
+        if total > self.max_positions:
+            raise ValueError(f"{total} positions exceed the KV workspace's {self.max_positions}")
+        # contiguous [2, batch, heads, total, head_dim] at the workspace's start: the layout of
+        # transformers' torch.cat, so attention sees the same strides (and gives the same numbers)
+        full = self.workspace[: 2 * b * h * total * d].view(2, b, h, total, d)
+        blocks = self.fetched.pop(layer, None)
+        nb = self.blocks[layer]
+        if blocks is None and nb and self.fits(layer):
+            blocks = self.store.get_many(self.keys(layer), device=self.device)
+        if blocks is not None:
+            for i, blk in enumerate(blocks):
+                full[:, :, :, i * self.block:(i + 1) * self.block].copy_(blk)
+            del blocks
+        else:
+            for i in range(nb):  # the window holds one block at a time beside the workspace
+                self.single_reads += 1
+                full[:, :, :, i * self.block:(i + 1) * self.block].copy_(
+                    self.store.get(self.key(layer, i), device=self.device))
+        lo = nb * self.block
+        tl = self.tail_len[layer]
+        tail = self._tails[layer]
+        if tl:
+            full[:, :, :, lo:lo + tl].copy_(tail[:, :, :, :tl])
+        full[0, :, :, n:total].copy_(k)
+        full[1, :, :, n:total].copy_(v)
+        # full blocks leave for the store (through the tail buffer: contiguous, in the window)
+        while total - lo >= self.block:
+            tail.copy_(full[:, :, :, lo:lo + self.block])
+            self.store.put(self.key(layer, self.blocks[layer]), tail)
             self.blocks[layer] += 1
-            rest = rest[:, :, :, self.block:]
-        self.tails[layer] = rest.clone() if rest.shape[3] else rest[:, :, :, :0].clone()
-        self.length[layer] += k.shape[2]
+            lo += self.block
+        self.tail_len[layer] = total - lo
+        if total > lo:
+            tail[:, :, :, : total - lo].copy_(full[:, :, :, lo:total])
+        self.length[layer] = total
         return full[0], full[1]
 
     def delete(self) -> None:
-        """Delete every block this cache put."""
+        """Delete every block this cache put, and free the workspace."""
         for layer in range(len(self.blocks)):
             for key in self.keys(layer):
                 self.store.delete(key)
             self.blocks[layer] = 0
-            self.tails[layer] = None
+        self.fetched.clear()
+        self.workspace = None
+        self._tails = []
 
 
 def _cache(kv: StoreKV) -> Any:
@@ -145,6 +222,29 @@ def _cache(kv: StoreKV) -> Any:
             return kv.length[self.idx] + query_length, 0
 
     return Cache(layers=[StoreKVLayer(i) for i in range(len(kv.blocks))])
+
+
+def kv_shape(config: Any) -> tuple[int, int] | None:
+    """(kv heads, head dim) of a transformers config's attention, or None when it does not say."""
+    heads = getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not heads:
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden else None)
+    return (int(kv_heads), int(head_dim)) if head_dim else None
+
+
+def kv_workspace_bytes(config: Any, batch: int, positions: int, kv_block_tokens: int = 64,
+                       dtype: torch.dtype = torch.float32) -> int:
+    """Window bytes ``generate`` needs beside one layer's weights: its KV workspace and room to read one block."""
+    shape = kv_shape(config)
+    if shape is None:
+        raise ValueError(f"{type(config).__name__} does not name its attention heads and head size")
+    heads, dim = shape
+    per_position = 2 * batch * heads * dim * torch.empty((), dtype=dtype).element_size()
+    one_read = kv_block_tokens if positions >= kv_block_tokens else 0
+    return per_position * (positions + config.num_hidden_layers * min(kv_block_tokens, positions) + one_read)
 
 
 def _warpers(do_sample: bool, temperature: float | None, top_k: int | None, top_p: float | None) -> list[Any]:
@@ -281,38 +381,83 @@ class Generator:
                                       drain=GradDrain(self.device, None, threaded=False))
         self.n_layers = len(self.parts.layers)
         self.n_groups = self.n_layers + 2
+        self.binds = self._bindings()
 
-    def _prefetch_next(self, g: int, kv: StoreKV) -> None:
-        """Hint the piece after ``g`` (wrapping to the next token's prelude) and its KV blocks."""
+    def _bindings(self) -> list[list[tuple[nn.Module, str, str]]]:
+        """Per piece: (module, attribute, store key) of each weight it runs with."""
+        root = self.parts.model
+
+        def at(mod: nn.Module, local: str, key: str) -> tuple[nn.Module, str, str]:
+            owner, _, attr = local.rpartition(".")
+            return (mod.get_submodule(owner) if owner else mod), attr, key
+
+        out = [[at(root, n, n) for n in names] for _, names in self.engine.groups[:-1]]
+        head = [at(root, n, n) for n in self.parts.norm_params]
+        head += [at(self.parts.head, ln, full) for ln, full in self.parts.head_params.items()]
+        out.append(head)
+        return out
+
+    @contextlib.contextmanager
+    def _bound(self, g: int, w: dict[str, torch.Tensor]) -> Iterator[None]:
+        # The skeleton's meta parameters swapped for the window tensors in place: what
+        # functional_call does, without its per-call walk over every named tensor.
+        saved = []
+        try:
+            for mod, attr, key in self.binds[g]:
+                saved.append((mod, attr, mod._parameters[attr]))
+                mod._parameters[attr] = w[key]  # type: ignore[assignment]
+            yield
+        finally:
+            for mod, attr, p in saved:
+                mod._parameters[attr] = p
+
+    def _fetch(self, g: int, kv: StoreKV) -> dict[str, torch.Tensor]:
+        """Piece ``g``'s weights (and its layer's KV blocks when they fit beside), then the next piece's hints: one hop."""
+        names = self.engine.reads[g]
+        layer = g - 1
+        extra = kv.keys(layer) if 0 <= layer < self.n_layers and kv.blocks[layer] and kv.fits(layer) else []
+        got = self.store.get_many(names + extra, device=self.device, then_prefetch=self._hints(g, kv))
+        if extra:
+            kv.fetched[layer] = got[len(names):]
+        return dict(zip(names, got[: len(names)], strict=True))
+
+    def _hints(self, g: int, kv: StoreKV) -> list[tuple[list[str], str]]:
+        """What to prefetch while piece ``g`` runs: the next piece (wrapping to the next token's prelude) and its KV blocks."""
         nxt = (g + 1) % self.n_groups
-        self.engine._prefetch(nxt, g)
+        eng = self.engine
+        w = kv.window_bytes
+        both = eng.read_bytes[nxt] + eng.read_bytes[g] + kv.workspace_bytes
+        # a window too small for two pieces beside the workspace: warm the RAM tier instead
+        to = "device" if w is None or both <= w else "host"
+        out = [(list(eng.reads[nxt]), to)]
         layer = nxt - 1
         if 0 <= layer < self.n_layers and kv.blocks[layer]:
-            w = kv.window_bytes
-            # to the window when the next piece and its blocks fit beside what runs now
-            room = w is None or (self.engine.read_bytes[nxt] + self.engine.read_bytes[g] + kv.block_bytes(layer)) <= w
-            self.store.prefetch(kv.keys(layer), to="device" if room and kv.fits(layer) else "host")
+            up = to == "device" and (w is None or both + kv.block_bytes(layer) <= w)
+            out.append((kv.keys(layer), "device" if up else "host"))
+        return out
 
     def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
              kv: StoreKV, cache: Any) -> torch.Tensor:
         """One forward of the new positions through every piece; the last position's fp32 logits."""
         eng = self.engine
-        w, held = eng._fetch(0, grad=False)
-        self._prefetch_next(0, kv)
+        w = self._fetch(0, kv)
         cap = eng._prelude(w, {"input_ids": input_ids, "attention_mask": attention_mask},
                            {"cache": cache, "use_cache": True, "position_ids": position_ids})
-        del w, held
+        del w
         h = cap.args[0]
         cap.args = (None, *cap.args[1:])
+        layers = self.parts.layers
         for i in range(self.n_layers):
-            w, held = eng._fetch(i + 1, grad=False)
-            self._prefetch_next(i + 1, kv)
-            h = eng._layer(i, w, h, cap)
-            del w, held
-        w, held = eng._fetch(self.n_layers + 1, grad=False)
-        self._prefetch_next(self.n_layers + 1, kv)
-        logits = eng._head(w, h[:, -1:, :])
-        del w, held
+            w = self._fetch(i + 1, kv)
+            with self._bound(i + 1, w):
+                out = layers[i](h, *cap.args[1:], **cap.kwargs)
+            h = out[0] if isinstance(out, (tuple, list)) else out
+            del w, out
+        g = self.n_layers + 1
+        w = self._fetch(g, kv)
+        with self._bound(g, w):
+            logits = self.parts.head(self.parts.norm(h[:, -1:, :]))
+        del w
         return logits[:, -1, :].to(torch.float32)
 
 
@@ -366,7 +511,11 @@ def generate(model: Any, input_ids: torch.Tensor, max_new_tokens: int = 32, do_s
     position_ids = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
     # transformers drops an all-ones mask (no padding): the attention takes its causal path
     keep_mask = not bool((mask == 1).all())
-    kv = StoreKV(store, gen.n_layers, dev, kv_block_tokens, gen.engine.read_bytes[1:-1])
+    kv = StoreKV(store, gen.n_layers, dev, kv_block_tokens, gen.engine.read_bytes[1:-1],
+                 max_positions=ids.shape[1] + max_new_tokens)
+    shape = kv_shape(skeleton.config)
+    if shape is not None:
+        kv.allocate(ids.shape[0], shape[0], shape[1], store.info(gen.engine.reads[1][0]).dtype)
     cache = _cache(kv)
     unfinished = torch.ones(ids.shape[0], dtype=torch.bool, device=dev)
     eos_t = torch.tensor(eos, device=dev) if eos else None

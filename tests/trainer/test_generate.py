@@ -10,7 +10,7 @@ import torch
 from plain_reference import build, gpt2_config, llama_config, weight_bytes
 
 import trainer as mt
-from trainer.generate import KV_PREFIX
+from trainer.generate import KV_PREFIX, kv_workspace_bytes
 
 
 def _streamed(tmp_path: Any, model: torch.nn.Module, window: int | str, ram: int | str = "64MiB") -> Any:
@@ -38,8 +38,9 @@ def _prompts(batch: int, length: int, seed: int = 1, pad: bool = False) -> tuple
 def test_greedy_tokens_equal_transformers(tmp_path: Any, make: Any, pad: bool) -> None:
     model = build(make()).eval()
     ids, mask = _prompts(4 if pad else 1, 9, pad=pad)
-    # the window holds a third of the weights: every token streams every layer through it
-    skeleton = _streamed(tmp_path, model, weight_bytes(model) // 3)
+    # the window holds a third of the weights and the KV workspace: every token streams every layer through it
+    ws = kv_workspace_bytes(model.config, ids.shape[0], ids.shape[1] + 24, 5)
+    skeleton = _streamed(tmp_path, model, weight_bytes(model) // 3 + ws)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
     out = mt.generate(skeleton, ids, attention_mask=mask, max_new_tokens=24, kv_block_tokens=5)
     assert out.shape == ref.shape and out.shape[1] > ids.shape[1]
@@ -79,7 +80,7 @@ def test_sampling_draws_what_transformers_draws_with_the_same_seed(tmp_path: Any
 def test_seeded_sampling_reproduces_and_top_k_1_is_greedy(tmp_path: Any) -> None:
     model = build(gpt2_config(2)).eval()
     ids, _ = _prompts(2, 5, seed=4)
-    skeleton = _streamed(tmp_path, model, weight_bytes(model) // 2)
+    skeleton = _streamed(tmp_path, model, weight_bytes(model) // 2 + kv_workspace_bytes(model.config, 2, 21))
     run = lambda **kw: mt.generate(skeleton, ids, max_new_tokens=16, eos_token_id=None, **kw)  # noqa: E731
     a = run(do_sample=True, temperature=1.5, top_k=0, seed=11)
     torch.manual_seed(0)  # the seeded generator, not the global RNG, draws
@@ -106,6 +107,44 @@ def test_kv_cache_larger_than_the_ram_budget(tmp_path: Any) -> None:
     assert torch.equal(out, ref)
     assert store.stats()["bytes_written_disk"] - written >= kv_bytes // 2  # the blocks spilled to disk
     assert store.stats()["peak_host_bytes"] <= ram
+
+
+def _layer_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+
+
+def test_kv_workspace_and_blocks_are_counted_in_the_budgets(tmp_path: Any) -> None:
+    model = build(llama_config(2)).eval()
+    ids, mask = _prompts(3, 30, seed=7, pad=True)
+    new, block = 20, 4
+    ws = kv_workspace_bytes(model.config, 3, ids.shape[1] + new, block)  # with room for one block read
+    # room for one layer, the workspace and one KV block: a layer's 12 blocks never fit beside
+    window, ram = _layer_bytes(model) + ws, 256 * 1024
+    skeleton = _streamed(tmp_path, model, window, ram=ram)
+    store = skeleton._trainer_store
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None)
+    out = mt.generate(skeleton, ids, attention_mask=mask, max_new_tokens=new, eos_token_id=None,
+                      kv_block_tokens=block)
+    assert torch.equal(out, ref)
+    st = store.stats()
+    # the workspace sat in the window beside a layer's weights: counted, and never beyond the budgets
+    assert st["peak_device_bytes"] >= _layer_bytes(model) + ws - 2 * 3 * 2 * block * 16 * 4
+    assert st["peak_device_bytes"] <= window
+    assert st["peak_host_bytes"] <= ram
+
+
+def test_a_window_without_room_for_the_kv_workspace_raises(tmp_path: Any) -> None:
+    from tierstore.errors import BudgetError
+
+    model = build(llama_config(2)).eval()
+    ids, _ = _prompts(4, 30, seed=7)
+    ws = kv_workspace_bytes(model.config, 4, ids.shape[1] + 10, 8)
+    skeleton = _streamed(tmp_path, model, _layer_bytes(model) + ws - 1)
+    with pytest.raises(BudgetError, match="KV workspace .* do not fit the device window"):
+        mt.generate(skeleton, ids, max_new_tokens=10, kv_block_tokens=8)
+    assert skeleton._trainer_store.keys(prefix=KV_PREFIX) == []
+    # one position fewer to keep: it fits
+    assert mt.generate(skeleton, ids, max_new_tokens=9, kv_block_tokens=8).shape == (4, 39)
 
 
 def test_generate_from_a_store_folder(tmp_path: Any) -> None:
