@@ -130,6 +130,34 @@ class Store:
         self._a._window.wait_ready(t)
         return t
 
+    def get_many(self, keys: Sequence[str], device: str | torch.device | None = None,
+                 then_prefetch: Sequence[tuple[Sequence[str], str]] = ()) -> list[torch.Tensor]:
+        """``[get(k, device) for k in keys]`` in one hop to the store's loop (a layer's weights at once).
+
+        ``then_prefetch``: ``(keys, to)`` hints started once the reads are done, in the same hop
+        (the next layer's weights while this one computes).
+        """
+        async def _all() -> list[torch.Tensor]:
+            out = [await self._a.get(k, device=device) for k in keys]
+            for hint, to in then_prefetch:
+                if hint:
+                    await self._a.prefetch(hint, to=to)  # type: ignore[arg-type]
+            return out
+
+        out = self._loop.run(_all())
+        for t in out:
+            self._a._window.wait_ready(t)
+        return out
+
+    def window_empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor in the device window, counted in its budget while alive.
+
+        Scratch for a caller's own data (generation's KV workspace); raises BudgetError when the
+        window has no room for it beside the tensors held now.
+        """
+        self._check_facade_open()
+        return self._loop.call(self._a._window.alloc, tuple(int(s) for s in shape), dtype)
+
     def staging_pool(self, buffer_bytes: int, count: int) -> StagingPool:
         """A pool of up to ``count`` host buffers (pinned with CUDA) counted in the RAM budget.
 

@@ -26,6 +26,7 @@ COMMANDS = {
     "bench": "tools.bench_cmd",
     "trace": "tools.trace_cmd",
     "train": "tools.train_cmd",
+    "generate": "tools.generate_cmd",
 }
 
 

@@ -3,6 +3,7 @@
 from trainer.api import Trainer, TrainOutput, init, load_model
 from trainer.args import TrainingArguments
 from trainer.callbacks import TrainerCallback, TrainerControl, TrainerState
+from trainer.generate import generate
 from trainer.model import UnsupportedModelError, decompose
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "TrainingArguments",
     "UnsupportedModelError",
     "decompose",
+    "generate",
     "init",
     "load_model",
 ]

@@ -17,9 +17,11 @@ largest piece of the model, not by its size:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 _MIB = 1 << 20
@@ -68,6 +70,30 @@ def tune_malloc() -> bool:
                                                  (_M_ARENA_MAX, ARENA_MAX)))
     _tuned = ok
     return ok
+
+
+@contextlib.contextmanager
+def reuse_freed_buffers() -> Iterator[None]:
+    """While inside, freed buffers under 32 MiB stay in the heap for the next allocation of their size.
+
+    For loops that free and allocate the same sizes over and over (generation streams every
+    layer's weights through the window for every token): with ``tune_malloc``'s settings each
+    one is a fresh mmap whose pages fault in at a fraction of copy speed (the dev VM: 0.25-0.5
+    GiB/s). On exit the settings are ``tune_malloc``'s again and the heap is trimmed. A no-op
+    when ``tune_malloc`` was not applied (glibc's own dynamic threshold already reuses them).
+    """
+    lib = _glibc() if _tuned else None
+    if lib is None:
+        yield
+        return
+    lib.mallopt(_M_MMAP_THRESHOLD, 32 * _MIB)  # glibc's largest mmap threshold on 64-bit
+    lib.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
+    try:
+        yield
+    finally:
+        lib.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        lib.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        lib.malloc_trim(0)
 
 
 def trim() -> None:

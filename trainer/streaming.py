@@ -163,7 +163,9 @@ class StreamingEngine:
         return torch.get_rng_state(), cuda
 
     # -- pieces ----------------------------------------------------------------------------
-    def _prelude(self, w: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> _Captured:
+    def _prelude(self, w: dict[str, torch.Tensor], batch: dict[str, torch.Tensor],
+                 extra: dict[str, Any] | None = None) -> _Captured:
+        """The body's forward up to its first layer; ``extra`` adds keyword arguments (generation's cache)."""
         layers = self.parts.layers
         first = layers[0]
         local = {n[len(self.body_prefix):]: t for n, t in w.items()}
@@ -172,7 +174,7 @@ class StreamingEngine:
             with self._autocast():
                 functional_call(self.parts.body, local, args=(),
                                 kwargs={"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-                                        "use_cache": False})
+                                        "use_cache": False, **(extra or {})})
         except _Captured as c:
             c.__traceback__ = None  # its frames would keep the bound weights alive
             return c

@@ -133,3 +133,35 @@ def test_host_tier_reuses_the_buffers_of_dropped_chunks() -> None:
     del e
     free.drop((1, 0))
     assert free.used == 0
+
+
+def test_window_empty_is_counted_until_dropped_and_refused_without_room(tmp_path) -> None:
+    from tierstore.errors import BudgetError
+
+    with tierstore.open(tmp_path, device_budget=64 * 1024) as s:
+        s.put("w", torch.randn(8 * 1024))  # 32 KiB
+        held = s.get("w", device="cpu")
+        buf = s.window_empty((6 * 1024,), torch.float32)  # 24 KiB beside it
+        assert buf.shape == (6 * 1024,) and s.stats()["device_bytes"] == 56 * 1024
+        try:
+            s.window_empty((4 * 1024,), torch.float32)  # 16 KiB more: the held tensors leave no room
+            raise AssertionError("window_empty went beyond the window")
+        except BudgetError as e:
+            assert "does not fit the device window" in str(e)
+        del buf
+        assert s.stats()["device_bytes"] == 32 * 1024
+        assert torch.equal(held, s.get("w"))
+
+
+def test_get_many_equals_gets_and_starts_its_prefetch(tmp_path) -> None:
+    with tierstore.open(tmp_path, ram_budget=64 * 1024, device_budget=256 * 1024, chunk_bytes="8KiB") as s:
+        ts = {f"k{i}": torch.randn(4 * 1024) for i in range(6)}
+        for k, t in ts.items():
+            s.put(k, t)
+        s.commit()
+        got = s.get_many(["k0", "k1"], device="cpu", then_prefetch=[(["k4", "k5"], "device")])
+        assert all(torch.equal(a, ts[k]) for a, k in zip(got, ["k0", "k1"], strict=True))
+        before = s.stats()["hits_device"]
+        assert torch.equal(s.get_many(["k4"], device="cpu")[0], ts["k4"])
+        assert s.stats()["hits_device"] == before + 1  # the hint had put k4 in the window
+        assert s.get_many([]) == []

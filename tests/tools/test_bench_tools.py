@@ -106,3 +106,16 @@ def test_moment_stats_orders_codecs() -> None:
     assert abs(q8["ratio"] - 1) < 0.01 and q8["cos"] > 0.99 and q8["m_err"] < 0.05
     assert q2["cos"] < q8["cos"] and q2["m_err"] > 5 * q8["m_err"]
     assert q2v["m_err"] < 1e-5  # only v coded: m is exact (up to the order of operations)
+
+
+def test_bench_generate_runs_and_every_run_agrees_with_transformers(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tools import bench_generate
+
+    argv = ["--rounds", "1", "--new", "3", "--big-batch", "4", "--hidden", "64", "--intermediate", "96",
+            "--layers", "3", "--heads", "4", "--prompt", "5", "--dir", str(tmp_path)]
+    assert bench_generate.main(argv) == 0  # 1 when any run's tokens differ from the in-memory ones
+    out = capsys.readouterr().out
+    for run in ("transformers in memory", "accelerate disk_offload", "mt.generate, window 2 layers"):
+        assert run in out
+    assert out.count(" yes") == 5
+    assert "goal batch 4 >= 10x batch 1 throughput" in out

@@ -126,6 +126,24 @@ class DeviceWindow:
             self._strong[generation] = t
         return t
 
+    def alloc(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor for the caller's own data, counted while alive; BudgetError without room.
+
+        Made on the device's current stream (the caller computes into it), not the H2D stream.
+        """
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if not self.make_room(nbytes):
+            raise BudgetError(
+                f"a buffer of {nbytes} B does not fit the device window ({self.budget} B) beside the "
+                f"{self.live_bytes} B of tensors held now"
+            )
+        t = torch.empty(shape, dtype=dtype, device=self.device)
+        with self._lock:
+            self._live += nbytes
+        self.peak = max(self.peak, self.live_bytes)
+        weakref.finalize(t, self._on_free, nbytes)
+        return t
+
     # -- uploads filled piece by piece from the RAM tier (reads.py), without a host tensor --------
     def start_upload(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised window tensor, counted at once (room must have been made)."""
