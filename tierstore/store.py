@@ -35,7 +35,7 @@ from tierstore.catalog import Catalog
 from tierstore.chunks import encode_chunk
 from tierstore.codecs import Codec, resolve
 from tierstore.config import StoreConfig
-from tierstore.dtypes import dtype_name
+from tierstore.dtypes import as_bytes, dtype_name
 from tierstore.errors import (
     BudgetError,
     CorruptData,
@@ -65,7 +65,7 @@ from tierstore.shards import (
 )
 from tierstore.stats import Counters, Tracer
 from tierstore.tiers.device import DeviceWindow
-from tierstore.tiers.disk import IOV_MAX, DiskTier, SyncLedger, crc_trailer
+from tierstore.tiers.disk import IOV_MAX, DiskTier, SyncLedger, checksum, crc_trailer
 from tierstore.tiers.host import HostTier
 
 T = TypeVar("T")
@@ -386,8 +386,14 @@ class AsyncStore(ReadPath):
     # ---------------------------------------------------------------- put
 
     async def put(self, key: str, tensor: torch.Tensor, codec: str | dict[str, Any] | Codec = "raw",
-                  *, chunk_rows: int | None = None, shard_rows: int | None = None) -> None:
+                  *, chunk_rows: int | None = None, shard_rows: int | None = None,
+                  copy: bool = True) -> None:
         """Store ``tensor`` under ``key`` as a new generation; returns once the bytes are copied.
+
+        ``copy=False`` hands the tensor's memory over instead (raw codecs): its full chunks
+        become RAM-tier buffers, counted in the budget, written from where they lie and served
+        to reads until evicted. The caller must not modify the tensor afterwards; it saves a
+        copy into fresh pages, which costs more than the disk write on some machines.
 
         ``chunk_rows``: store it sharded (``tierstore.shards``), in inner chunks of that many
         dim-0 rows, so that a gather reads (and the RAM tier caches) only the inner chunks
@@ -419,7 +425,11 @@ class AsyncStore(ReadPath):
         t0 = time.perf_counter()
         assert self._commit_lock is not None
         try:
-            rec = await self._write_generation(key, gen, t, codec_obj, grid, shard)
+            # only a tensor that is its whole storage: adopting a view would keep the rest of
+            # its base alive, uncounted
+            adopt = (not copy and codec_obj.raw_layout and t.device.type == "cpu"
+                     and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+            rec = await self._write_generation(key, gen, t, codec_obj, grid, shard, adopt=adopt)
             async with self._commit_lock:  # a commit in progress owns the head
                 # no await from here on: the put lands whole, or (cancelled above) not at all
                 old = self._head.get(key)
@@ -453,7 +463,7 @@ class AsyncStore(ReadPath):
                               f"than the RAM budget ({self._host.budget} B); lower chunk_rows")
 
     async def _write_generation(self, key: str, gen: int, t: torch.Tensor, codec: Codec,
-                                grid: ChunkGrid, shard: int = 0) -> GenRecord:
+                                grid: ChunkGrid, shard: int = 0, adopt: bool = False) -> GenRecord:
         # nothing on the put's own path touches the disk: folders and files are write-behind
         tasks = self._writes.setdefault(gen, [])
         dirs = self._spawn(self._make_dirs(key, gen, grid, shard))
@@ -469,7 +479,17 @@ class AsyncStore(ReadPath):
         flush_bytes = min(_SHARD_GROUP_BYTES, (self._host.budget or _SHARD_GROUP_BYTES) // 4)
         raw_bytes = grid.chunk_numel * t.element_size()
         for i in range(grid.n_chunks):
-            if codec.raw_layout:
+            start, valid = grid.span(i)
+            adopted = adopt and valid == grid.chunk_numel  # an edge chunk is padded: copied
+            if adopted:
+                await self._host.reserve(raw_bytes)
+                payload = as_bytes(flat[start : start + valid])
+                try:
+                    crc = await self._run_cpu(raw_bytes, checksum, [payload.numpy()])
+                except BaseException:
+                    self._host.release(payload)
+                    raise
+            elif codec.raw_layout:
                 buf = await self._host.alloc(raw_bytes)
                 try:
                     payload, crc = await self._run_cpu(raw_bytes, encode_chunk, codec, flat, grid, i, buf)
@@ -480,7 +500,7 @@ class AsyncStore(ReadPath):
                 encoded, crc = await self._run_cpu(raw_bytes, encode_chunk, codec, flat, grid, i, None)
                 payload = await self._host.alloc(encoded.numel())
                 payload.copy_(encoded)  # into a buffer the RAM tier accounts for
-            self._host.insert((gen, i), payload, dirty=True)
+            self._host.insert((gen, i), payload, dirty=True, adopted=adopted)
             chunks.append((payload.numel(), crc))
             if not shard:
                 tasks.append(self._spawn(self._write_chunk(key, gen, grid, i, payload, crc, after=dirs)))

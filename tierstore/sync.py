@@ -113,13 +113,15 @@ class Store:
         return self._a
 
     def put(self, key: str, tensor: torch.Tensor, codec: str | dict[str, Any] | Codec = "raw", *,
-            chunk_rows: int | None = None, shard_rows: int | None = None) -> None:
+            chunk_rows: int | None = None, shard_rows: int | None = None, copy: bool = True) -> None:
         """Store ``tensor`` under ``key``; returns once the bytes are copied.
 
         ``chunk_rows=`` stores a table sharded, in inner chunks of that many rows (gathers read
-        only the inner chunks holding their rows); see ``AsyncStore.put``.
+        only the inner chunks holding their rows); ``copy=False`` hands the tensor's memory to
+        the store instead of copying it (do not modify it afterwards); see ``AsyncStore.put``.
         """
-        self._loop.run(self._a.put(key, tensor, codec, chunk_rows=chunk_rows, shard_rows=shard_rows))
+        self._loop.run(self._a.put(key, tensor, codec, chunk_rows=chunk_rows, shard_rows=shard_rows,
+                                   copy=copy))
 
     def get(self, key: str, device: str | torch.device | None = None, index: Index = None) -> torch.Tensor:
         """The newest value of ``key`` on the host, or in the device window with ``device=``.

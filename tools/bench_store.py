@@ -3,7 +3,8 @@
     python -m tools.bench_store [--dir DIR] [--size 1GiB] [--tensor 64MiB] [--repeats 3]
 
 - put: sequential puts of fp32 tensors through ``commit`` (fsync'd) vs a plain Python
-  write + fsync of the same bytes to files on the same disk;
+  write + fsync of the same bytes to files on the same disk; once copying (``put``'s default:
+  the caller may reuse its tensor at once) and once handing the memory over (``copy=False``);
 - cold get: a fresh read-only open after evicting the files from the page cache
   (posix_fadvise DONTNEED) vs plain reads of the baseline files, evicted the same way;
 - warm get: a get served by the RAM tier vs a memcpy of the same bytes into a new tensor.
@@ -41,22 +42,29 @@ def evict(path: str) -> None:
             os.close(fd)
 
 
-def paired_medians(store_fn: Callable[[], None], base_fn: Callable[[], None], repeats: int,
-                   setup: Callable[[], None] | None = None) -> tuple[float, float]:
-    """Median wall times of ``store_fn`` and ``base_fn``, run alternately (``setup`` untimed).
+def alternated_medians(fns: list[Callable[[], None]], repeats: int,
+                       setup: Callable[[], None] | None = None) -> list[float]:
+    """Median wall times of each of ``fns``, run in turn ``repeats`` times (``setup`` untimed).
 
     Alternating keeps a shared machine's drift (other jobs, page-cache and allocator state) from
     landing on one side only.
     """
-    times: tuple[list[float], list[float]] = ([], [])
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        for side, fn in enumerate((store_fn, base_fn)):
+        for side, fn in enumerate(fns):
             if setup:
                 setup()
             t0 = time.perf_counter()
             fn()
             times[side].append(time.perf_counter() - t0)
-    return statistics.median(times[0]), statistics.median(times[1])
+    return [statistics.median(t) for t in times]
+
+
+def paired_medians(store_fn: Callable[[], None], base_fn: Callable[[], None], repeats: int,
+                   setup: Callable[[], None] | None = None) -> tuple[float, float]:
+    """``alternated_medians`` of a store side and its baseline."""
+    a, b = alternated_medians([store_fn, base_fn], repeats, setup)
+    return a, b
 
 
 def run(root: str, total: int, tensor_bytes: int, repeats: int) -> list[tuple[str, float, float]]:
@@ -83,17 +91,19 @@ def run(root: str, total: int, tensor_bytes: int, repeats: int) -> list[tuple[st
         os.fsync(fd)
         os.close(fd)
 
-    def store_put() -> None:
+    def store_put(copy: bool = True) -> None:
         with tierstore.open(store_dir, mode="w", **opts) as s:
             for i, t in enumerate(tensors):
-                s.put(f"layers.{i}.weight", t)
+                s.put(f"layers.{i}.weight", t, copy=copy)
             s.commit(step=0)
 
     rows = []
-    st_w, raw_w = paired_medians(store_put, raw_write, repeats, clean)
+    st_w, st_a, raw_w = alternated_medians([store_put, lambda: store_put(copy=False), raw_write],
+                                           repeats, clean)
+    rows.append(("put + commit (fsync)", nbytes / st_w, nbytes / raw_w))
+    rows.append(("put(copy=False) + commit (fsync)", nbytes / st_a, nbytes / raw_w))
     store_put()
     raw_write()  # the files the get benchmarks read
-    rows.append(("put + commit (fsync)", nbytes / st_w, nbytes / raw_w))
 
     def raw_read() -> None:
         for i in range(n):

@@ -12,6 +12,7 @@ import dataclasses
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -26,6 +27,8 @@ class HostEntry:
 
     data: torch.Tensor  # uint8, the payload without the crc trailer
     dirty: bool
+    #: memory of a caller's tensor (a put with ``copy=False``): never recycled as a spare
+    adopted: bool = False
 
 
 class HostTier:
@@ -73,11 +76,27 @@ class HostTier:
                 return None
         return spare  # its bytes stay counted: they move to the new owner
 
+    def try_reserve(self, nbytes: int) -> bool:
+        """Count ``nbytes`` of memory the caller brings (an adopted buffer), evicting as needed."""
+        while self.budget is not None and self.used + nbytes > self.budget:
+            if not (self._free_one_spare() or self._evict_one()):
+                return False
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        return True
+
     async def alloc(self, nbytes: int) -> torch.Tensor:
         """A buffer of ``nbytes``, waiting for write-backs to free room (backpressure)."""
+        return await self._wait_for(nbytes, self.try_alloc)
+
+    async def reserve(self, nbytes: int) -> None:
+        """``try_reserve``, waiting for write-backs to free room (backpressure)."""
+        await self._wait_for(nbytes, lambda n: True if self.try_reserve(n) else None)
+
+    async def _wait_for(self, nbytes: int, attempt: Callable[[int], Any]) -> Any:
         if not self.fits(nbytes):
             raise BudgetError(f"a chunk of {nbytes} B is larger than the RAM budget ({self.budget} B)")
-        while (buf := self.try_alloc(nbytes)) is None:
+        while (got := attempt(nbytes)) is None:
             reason = self.explain_stuck()
             if reason is not None:
                 raise BudgetError(f"RAM budget full and nothing can be freed: {reason}")
@@ -86,19 +105,19 @@ class HostTier:
                 await asyncio.wait_for(self._freed.wait(), timeout=1.0)
             except asyncio.TimeoutError:
                 pass
-        return buf
+        return got
 
     def release(self, buf: torch.Tensor) -> None:
         """Return an allocated buffer that was not inserted."""
         self.used -= buf.numel()
         self._freed.set()
 
-    def insert(self, cid: ChunkId, data: torch.Tensor, dirty: bool) -> None:
-        """Insert a chunk whose buffer came from ``alloc``/``try_alloc``."""
+    def insert(self, cid: ChunkId, data: torch.Tensor, dirty: bool, adopted: bool = False) -> None:
+        """Insert a chunk whose buffer came from ``alloc``/``try_alloc`` (``adopted``: ``reserve``)."""
         old = self._entries.pop(cid, None)
         if old is not None:
             self.used -= old.data.numel()
-        self._entries[cid] = HostEntry(data, dirty)
+        self._entries[cid] = HostEntry(data, dirty, adopted)
 
     def lookup(self, cid: ChunkId) -> torch.Tensor | None:
         """The chunk's payload if held (and mark it recently used)."""
@@ -128,12 +147,15 @@ class HostTier:
         """Forget a chunk, dirty or not (its generation is gone); keep its buffer for reuse."""
         e = self._entries.pop(cid, None)
         if e is not None:
-            self._to_spare(e.data)
+            self._to_spare(e)
             self._freed.set()
 
-    def _to_spare(self, buf: torch.Tensor) -> None:
+    def _to_spare(self, e: HostEntry) -> None:
         """Keep a chunk's buffer (still counted) for the next allocation of its size."""
-        if self.budget is None:  # without a budget nothing would ever bound the spares
+        buf = e.data
+        # without a budget nothing would ever bound the spares; an adopted buffer is a view of
+        # a caller's tensor, which must never be handed out as another chunk's buffer
+        if self.budget is None or e.adopted:
             self.used -= buf.numel()
         else:
             self._spare.setdefault(buf.numel(), []).append(buf)
@@ -173,6 +195,6 @@ class HostTier:
         for cid, e in self._entries.items():
             if not e.dirty:
                 del self._entries[cid]
-                self._to_spare(e.data)
+                self._to_spare(e)
                 return True
         return False

@@ -30,6 +30,7 @@ FEATURES = (
     "versions",  # read-only opens of every retained version at barriers
     "device",  # gets and prefetches into the device window (the CPU window without CUDA)
     "sharded",  # puts in the sharded layout (inner chunks of a few rows in shard files)
+    "adopt",  # puts with copy=False (the tensor's memory becomes the RAM tier's buffers)
 )
 
 #: features that hit a known, unfixed store defect: their test variants are xfail(strict=False)
@@ -73,6 +74,7 @@ class Op:
     commit: bool = True  # reopen: close with or without a commit
     chunk_rows: int = 0  # put: rows per inner chunk of the sharded layout (0: one file per chunk)
     shard_rows: int = 0  # put: rows per shard file (0: the store's default)
+    copy: bool = True  # put: False hands the tensor's memory over
 
     def describe(self) -> str:
         """One line for a listing of the program."""
@@ -82,6 +84,8 @@ class Op:
             what = f"put {self.key} v{self.vid} {self.dtype}{list(self.shape)} {self.codec}"
             if self.chunk_rows:
                 what += f" chunk_rows={self.chunk_rows} shard_rows={self.shard_rows or None}"
+            if not self.copy:
+                what += " copy=False"
         elif k in ("get", "delete"):
             what = f"{k} {self.key}" + (" device" if self.device else "")
         elif k == "slice":
@@ -180,8 +184,9 @@ def _actor_op(rng: random.Random, actor: int, is_async: bool, all_keys: list[str
         if "sharded" in feats and shape and rng.random() < 0.4:
             chunk_rows = rng.randint(1, 4)
             shard_rows = chunk_rows * rng.choice((0, 1, 2, 5))
+        copy = not ("adopt" in feats and rng.random() < 0.4)
         op = Op("put", actor, key, vid=vids[0], shape=shape, dtype=rng.choice(DTYPES),
-                codec=rng.choice(CODECS), chunk_rows=chunk_rows, shard_rows=shard_rows)
+                codec=rng.choice(CODECS), chunk_rows=chunk_rows, shard_rows=shard_rows, copy=copy)
     elif r < 0.62:
         other = "cross_reads" in feats and rng.random() < 0.4
         op = _read_op(rng, actor, rng.choice(all_keys) if other else key, feats)

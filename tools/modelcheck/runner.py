@@ -200,8 +200,10 @@ class Runner:
                     self._unexpected(op, exc)  # type: ignore[arg-type]
 
             m.write_begin(op.key, op.vid)
-            layout = ({"chunk_rows": op.chunk_rows, "shard_rows": op.shard_rows or None}
-                      if op.chunk_rows else {})
+            layout: dict[str, Any] = ({"chunk_rows": op.chunk_rows, "shard_rows": op.shard_rows or None}
+                                      if op.chunk_rows else {})
+            if not op.copy:
+                layout["copy"] = False  # the clone below is the store's from then on
             return _Call(lambda a: a.put(op.key, t.clone(), op.codec, **layout),
                          lambda s: s.put(op.key, t.clone(), op.codec, **layout), finish_put)
         if kind in READ_KINDS:
