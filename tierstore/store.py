@@ -393,7 +393,8 @@ class AsyncStore(ReadPath):
         ``copy=False`` hands the tensor's memory over instead (raw codecs): its full chunks
         become RAM-tier buffers, counted in the budget, written from where they lie and served
         to reads until evicted. The caller must not modify the tensor afterwards; it saves a
-        copy into fresh pages, which costs more than the disk write on some machines.
+        copy into fresh pages, which costs more than the disk write on some machines. A view of
+        a larger tensor, an edge chunk and a pinned RAM tier (CUDA) are copied all the same.
 
         ``chunk_rows``: store it sharded (``tierstore.shards``), in inner chunks of that many
         dim-0 rows, so that a gather reads (and the RAM tier caches) only the inner chunks
@@ -426,8 +427,10 @@ class AsyncStore(ReadPath):
         assert self._commit_lock is not None
         try:
             # only a tensor that is its whole storage: adopting a view would keep the rest of
-            # its base alive, uncounted
+            # its base alive, uncounted; a pinned RAM tier (CUDA) copies, as its buffers must
+            # stay pinned for asynchronous H2D loads
             adopt = (not copy and codec_obj.raw_layout and t.device.type == "cpu"
+                     and not self._host.pin
                      and t.untyped_storage().nbytes() == t.numel() * t.element_size())
             rec = await self._write_generation(key, gen, t, codec_obj, grid, shard, adopt=adopt)
             async with self._commit_lock:  # a commit in progress owns the head

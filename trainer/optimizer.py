@@ -152,9 +152,11 @@ class StoreAdamW:
             self.update_s += time.perf_counter() - t0
             mc, vc = self._codecs(param)
             with self.lock:
-                self.store.put(name, param, codec="raw")
-                self.store.put(EXP_AVG + name, m, codec=mc)
-                self.store.put(EXP_AVG_SQ + name, v, codec=vc)
+                # param, m and v are this update's own tensors (private gets or fresh zeros),
+                # dropped right after: the store takes their memory instead of a copy
+                self.store.put(name, param, codec="raw", copy=False)
+                self.store.put(EXP_AVG + name, m, codec=mc, copy=False)
+                self.store.put(EXP_AVG_SQ + name, v, codec=vc, copy=False)
         self.busy_s += time.perf_counter() - start
 
 
