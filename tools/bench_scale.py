@@ -619,7 +619,7 @@ def compare(ref: RunResult, killed: RunResult, resumed: RunResult, kill_after: i
 def report(a: argparse.Namespace, s: Shape, ram_total: int, ram: int, vram: int, run: RunResult, watch: DiskWatch,
            write_bw: float, read_bw: float, flops: float) -> None:
     """Print the figures of the uninterrupted run."""
-    from trainer import memory
+    from trainer import io_account, memory
 
     steps = run.steps()
     done = next((e for e in run.events if e["event"] == "done"), {})
@@ -648,9 +648,7 @@ def report(a: argparse.Namespace, s: Shape, ram_total: int, ram: int, vram: int,
     print(f"  losses: {', '.join(f'{x:.4f}' for x in losses)}  "
           f"(finite: {all(math.isfinite(x) for x in losses)}, decreasing: "
           f"{all(b < a_ for a_, b in zip(losses, losses[1:], strict=False))})")
-    C = ram + vram
-    min_read = max(0, 2 * W + M - 2 * C)
-    min_write = W + M
+    min_read, min_write = io_account.minimum(W, M, ram, vram)
     print("  per step (min read = 2 x weights (forward, backward) + moments - 2 x (RAM + window): what the")
     print("  budgets can carry into each pass; min write = weights + moments, all updated each step):")
     print(f"    {'step':>4} {'loss':>9} {'wall s':>8} {'read GB':>8} {'write GB':>9} {'x min':>6} "
@@ -662,8 +660,7 @@ def report(a: argparse.Namespace, s: Shape, ram_total: int, ram: int, vram: int,
         compute = max(0.0, t.get("fb", 0.0) - wait)
         io_wait = e["wall_s"] - compute
         moved = e["read"] + e["written"]
-        first = e["step"] == 1
-        mn = (min_read - M if first else min_read) + min_write  # step 1 reads no moments (they start at 0)
+        mn = sum(io_account.minimum(W, M, ram, vram, first_step=e["step"] == 1))  # step 1 reads no moments
         print(f"    {e['step']:>4} {e['loss']:>9.4f} {e['wall_s']:>8.1f} {e['read'] / 1e9:>8.2f} "
               f"{e['written'] / 1e9:>9.2f} {moved / max(1, mn):>6.2f} {compute:>8.1f} {io_wait:>8.1f} "
               f"{e['update_s']:>7.1f} {t.get('codec', 0.0):>7.1f} {a.seq / e['wall_s']:>7.2f}")

@@ -47,8 +47,9 @@ from trainer.data import (
     micro_batches_per_epoch,
     step_batches,
 )
+from trainer.io_account import StepAccount
 from trainer.model import ModelParts, decompose
-from trainer.optimizer import AdamWHyper, StoreAdamW, UpdateWorker
+from trainer.optimizer import EXP_AVG, EXP_AVG_SQ, AdamWHyper, StoreAdamW, UpdateWorker
 from trainer.steps import RunLog, apply_runtime_args, grad_sink
 from trainer.streaming import StreamingEngine, count_loss_tokens
 
@@ -458,6 +459,10 @@ class Trainer:
             self.parts, store, _device(cfg), bf16=cfg.bf16, store_lock=self._lock, before_fetch=worker.wait_group,
             window_bytes=store.stats().get("device_budget"))
         clip, all_params = cfg.clip_norm, self.parts.all_params()
+        # per-step bytes per tier in log_history; a rank's sharded moments have other keys, so
+        # data parallel logs the bytes without the budgets' minimum
+        account = StepAccount(store, list(all_params) if dp is None else [],
+                              [p + n for p in (EXP_AVG, EXP_AVG_SQ) for n in all_params] if dp is None else [])
         bar = tqdm(total=total, initial=start, disable=cfg.disable_tqdm or not st.is_world_process_zero, desc="train",
                    dynamic_ncols=True)
         sized = has_length(self.train_dataset)
@@ -481,6 +486,7 @@ class Trainer:
                     self.control = h.on_epoch_begin(args, st, self.control)
                 t0 = time.perf_counter()
                 stall0, upd0 = float(store.stats().get("stall_s", 0.0)), opt.busy_s
+                account.begin()
                 lr = learning_rate_at(cfg, step, total)
                 hyper = AdamWHyper(lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay)
                 # the loss is the token mean over the global step: every rank divides by the same count
@@ -522,7 +528,7 @@ class Trainer:
                 step_s = time.perf_counter() - t0
                 run.last = {"learning_rate": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / step_s if step_s > 0
                             else math.inf, "stall_s": float(store.stats().get("stall_s", 0.0)) - stall0,
-                            "step_s": step_s, "optimizer_s": opt.busy_s - upd0}
+                            "step_s": step_s, "optimizer_s": opt.busy_s - upd0, **account.end(step + 1)}
                 self._trace_step(t0)
                 self._maybe_log_save_evaluate(run, ignore_keys)
                 empty_cache = getattr(args, "torch_empty_cache_steps", None)

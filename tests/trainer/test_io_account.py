@@ -1,0 +1,64 @@
+"""The per-step I/O account in log_history: bytes per tier and the minimum the budgets allow."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from plain_reference import build, llama_config, weight_bytes
+
+import trainer as mt
+from trainer.args import TrainingArguments
+from trainer.io_account import COUNTERS, minimum, moved
+from trainer.optimizer import EXP_AVG, EXP_AVG_SQ
+
+STEPS = 4
+
+
+def test_minimum_and_moved() -> None:
+    # forward and backward each read the weights, the moments once, less what RAM + window carry
+    assert minimum(100, 40, 30, 10, first_step=False) == (2 * 100 + 40 - 2 * 40, 140)
+    assert minimum(100, 40, 30, 10, first_step=True) == (2 * 100 - 2 * 40, 140)
+    assert minimum(100, 40, 300, 10) == (0, 140)  # everything fits: only writes are needed
+    assert minimum(100, 40, None, 10) == (0, 140)
+    before = {"bytes_read_disk": 5, "bytes_written_disk": 7, "bytes_h2d": 0, "bytes_d2h": 1}
+    after = {"bytes_read_disk": 15, "bytes_written_disk": 27, "bytes_h2d": 3, "bytes_d2h": 1}
+    assert moved(before, after) == {"io_disk_read_bytes": 10, "io_disk_written_bytes": 20,
+                                    "io_h2d_bytes": 3, "io_d2h_bytes": 0}
+
+
+def test_log_history_carries_each_steps_io(dataset: Any, tmp_path: Any) -> None:
+    model = build(llama_config(layers=4))
+    names = [n for n, _ in model.named_parameters()]
+    wbytes = weight_bytes(model)
+    vram, ram = wbytes * 45 // 100, wbytes * 2  # state (16 B a parameter) spills to disk
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=STEPS,
+                             learning_rate=1e-3, logging_steps=1, save_steps=0, disable_tqdm=True)
+    mt.init(offload_dir=None, max_vram_gb=f"{vram}B", max_ram_gb=f"{ram}B", optimizer_compression="q4",
+            device="cpu")
+    tr = mt.Trainer(model=model, train_dataset=dataset, args=args)
+    tr.train()
+    try:
+        logs = [e for e in tr.state.log_history if "loss" in e]
+        stats = tr.store.stats()
+        info = {k: tr.store.info(k).stored_nbytes for k in tr.store.keys()}
+    finally:
+        tr.close()
+    assert [e["step"] for e in logs] == list(range(1, STEPS + 1))
+    W = sum(info[n] for n in names)
+    M = sum(info[p + n] for p in (EXP_AVG, EXP_AVG_SQ) for n in names)
+    assert M < W  # q4 moments: the minimum must use their stored size, not fp32's
+    for e in logs:
+        for k in COUNTERS:
+            assert isinstance(e[k], int) and e[k] >= 0, (k, e)
+        # step 1 logs before its moments exist (they are written by its own updates)
+        m = 0 if e["step"] == 1 else M
+        assert (e["io_min_disk_read_bytes"], e["io_min_disk_written_bytes"]) == \
+            minimum(W, m, ram, vram, first_step=e["step"] == 1)
+        assert e["io_disk_vs_min"] == (e["io_disk_read_bytes"] + e["io_disk_written_bytes"]) / (
+            e["io_min_disk_read_bytes"] + e["io_min_disk_written_bytes"])
+    # the steps' bytes are the store's own counts, a part of what it moved in all
+    assert sum(e["io_disk_written_bytes"] for e in logs) <= stats["bytes_written_disk"]
+    assert sum(e["io_disk_read_bytes"] for e in logs) <= stats["bytes_read_disk"]
+    assert sum(e["io_disk_read_bytes"] for e in logs[1:]) > 0  # the state does not fit: it is read back
+    print([(e["io_disk_read_bytes"], e["io_min_disk_read_bytes"], e["io_disk_written_bytes"],
+            e["io_min_disk_written_bytes"], round(e["io_disk_vs_min"], 2)) for e in logs])

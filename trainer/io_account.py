@@ -1,0 +1,83 @@
+"""Bytes a training step moves through each tier, and the least the budgets let it move.
+
+A step reads each weight for forward and again for backward (its recompute under activation
+checkpointing), reads the moments once and writes weights and moments once; whatever the RAM tier
+and the window can hold across those passes need not come from disk again. So at least
+``2 W + M - 2 (RAM + window)`` bytes are read (no moments at step 1: they start at zero) and
+``W + M`` written, ``W`` and ``M`` being the stored bytes of the weights and of the moments.
+The CPU optimizer runs beside the next step, so a step's counted bytes hold some of the previous
+step's updates: compare averages over steps, not single steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+#: log_history key -> store.stats() counter
+COUNTERS = {
+    "io_disk_read_bytes": "bytes_read_disk",
+    "io_disk_written_bytes": "bytes_written_disk",
+    "io_h2d_bytes": "bytes_h2d",
+    "io_d2h_bytes": "bytes_d2h",
+}
+
+
+def moved(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, int]:
+    """Bytes per tier between two ``store.stats()`` snapshots, under the log_history keys."""
+    return {k: int(after.get(c, 0)) - int(before.get(c, 0)) for k, c in COUNTERS.items()}
+
+
+def minimum(weights: int, moments: int, ram_budget: int | None, window: int | None,
+            first_step: bool = False) -> tuple[int, int]:
+    """(read, written) disk bytes a step needs at least with these budgets (None: unbounded)."""
+    written = weights + moments
+    if ram_budget is None or window is None:
+        return 0, written  # everything can stay in RAM after it is first read
+    need = 2 * weights + (0 if first_step else moments)
+    return max(0, need - 2 * (ram_budget + window)), written
+
+
+def stored_bytes(store: Any, keys: Iterable[str]) -> int | None:
+    """Stored bytes of ``keys`` (None when one is not in the store yet)."""
+    total = 0
+    have = set(store.keys())
+    for k in keys:
+        if k not in have:
+            return None
+        total += store.info(k).stored_nbytes
+    return total
+
+
+class StepAccount:
+    """Per-step I/O figures for log_history: bytes moved per tier and the budgets' minimum."""
+
+    def __init__(self, store: Any, params: list[str], moment_keys: list[str]) -> None:
+        self.store = store
+        self.params = params
+        self.moment_keys = moment_keys
+        self._weights: int | None = None
+        self._moments: int | None = None
+        self._before: dict[str, Any] = {}
+
+    def begin(self) -> None:
+        """Snapshot the counters at the start of a step."""
+        self._before = dict(self.store.stats())
+
+    def end(self, step: int) -> dict[str, float]:
+        """This step's figures (``step`` 1-based); stored sizes are read once, when all exist."""
+        out: dict[str, float] = dict(moved(self._before, self.store.stats()))
+        if self._weights is None:
+            self._weights = stored_bytes(self.store, self.params)
+        if self._moments is None and step > 1:  # written by step 1's updates
+            self._moments = stored_bytes(self.store, self.moment_keys)
+        if self._weights is None:
+            return out
+        m = self._moments or 0
+        cfg = self.store.config
+        lo_read, lo_written = minimum(self._weights, m, cfg.ram_budget, cfg.device_budget, step == 1)
+        out["io_min_disk_read_bytes"] = lo_read
+        out["io_min_disk_written_bytes"] = lo_written
+        lo = lo_read + lo_written
+        out["io_disk_vs_min"] = (out["io_disk_read_bytes"] + out["io_disk_written_bytes"]) / lo if lo else 0.0
+        return out
