@@ -25,7 +25,7 @@ FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 #: unbiased, which keeps an optimizer state that is re-quantized every step from sticking at a
 #: level when its per-step change is smaller than half a quantization step (signal swamping).
 #: Decoding is identical; only ``encode`` differs.
-ROUNDINGS = ("nearest", "stochastic")
+ROUNDINGS = ("nearest", "stochastic", "calibrated")
 #: the scale layouts this version reads and writes (see ``quant``)
 SCALE_LAYOUTS = ("rank1",)
 
@@ -87,7 +87,7 @@ class QuantCodec(Codec):
         """Scales then bit-packed codes, as a uint8 tensor on the chunk's device."""
         self.check_dtype(chunk.dtype)
         return quant.quantize(chunk, self.code_bits, self.block, self.signed, self.name,
-                              stochastic=self.rounding == "stochastic")
+                              mode=self.rounding)
 
     def decode(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A float32 tensor of ``shape`` from the stored bytes."""
