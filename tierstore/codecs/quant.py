@@ -46,6 +46,12 @@ encodes to the same bytes on any thread, in any run, and after a resume (trainin
 reproducible bit for bit), and torch's random stream is never touched. An optimizer state
 changes every step, and so does its seed.
 
+Calibrated rounding (``rounding="calibrated"``, an ablation of issue 17, not the policy's):
+stochastic codes, then one gain per chunk folded into both scale vectors, exactly (signed:
+float32 maxima times the gain) or to 1/128 octave (unsigned: the log2 maxima shifted), so that
+the layout and the decoder are unchanged: a signed chunk decodes with the input's L2 norm, an
+unsigned one with mean(v / v_decoded) = 1.
+
 Both modes reject NaN and +-inf with CodecError (an optimizer state holding them is already
 broken; storing them silently would hide it). Input is float32, bfloat16 or float16; decode
 returns float32. Stored bytes, for a ``rows x cols`` matrix: signed ``[row maxima, float32]

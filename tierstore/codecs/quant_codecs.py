@@ -24,7 +24,9 @@ FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 #: "nearest" is deterministic; "stochastic" rounds up or down at random so that the code is
 #: unbiased, which keeps an optimizer state that is re-quantized every step from sticking at a
 #: level when its per-step change is smaller than half a quantization step (signal swamping).
-#: Decoding is identical; only ``encode`` differs.
+#: "calibrated" (an ablation, issue 17) is stochastic with one gain per chunk folded into the
+#: stored scales (signed: the decoded L2 norm is the input's; unsigned: mean(v / decoded) is 1).
+#: Decoding is identical for all three; only ``encode`` differs.
 ROUNDINGS = ("nearest", "stochastic", "calibrated")
 #: the scale layouts this version reads and writes (see ``quant``)
 SCALE_LAYOUTS = ("rank1",)
