@@ -43,9 +43,11 @@ from tools.moments import byte_batches, lm_loss, stdlib_bytes, tiny_model
 def round_trip_states(opt: torch.optim.Optimizer, requested: str) -> tuple[int, int]:
     """Replace every AdamW moment by its codec round trip; (quantized, total) element counts.
 
-    ``requested`` is a codec name, optionally with a rounding suffix: ``"q2:stochastic"``.
+    ``requested`` is a codec name, optionally with a rounding suffix: ``"q2:stochastic"``, or
+    m's and v's apart: ``"q4:calibrated/stochastic"``.
     """
     name, _, rounding = requested.partition(":")
+    m_round, _, v_round = rounding.partition("/")
     quantized = total = 0
     for st in opt.state.values():
         for role in ("exp_avg", "exp_avg_sq"):
@@ -54,8 +56,9 @@ def round_trip_states(opt: torch.optim.Optimizer, requested: str) -> tuple[int, 
             total += t.numel()
             if codec.lossless:
                 continue
-            if rounding:
-                codec = codecs.get(name, **{**codec.params(), "rounding": rounding})
+            r = m_round if role == "exp_avg" else (v_round or m_round)
+            if r:
+                codec = codecs.get(name, **{**codec.params(), "rounding": r})
             data = codec.encode(t)
             st[role].copy_(codec.decode(memoryview(data.numpy()), tuple(t.shape), t.dtype))
             quantized += t.numel()
@@ -259,7 +262,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     names = [c for c in args.codecs.split(",") if c]
     for c in names:
         name, _, rounding = c.partition(":")
-        codecs.get(name, **({"rounding": rounding} if rounding else {}))  # fail fast
+        for r in rounding.split("/") if rounding else []:
+            codecs.get(name, rounding=r)  # fail fast
     if args.seeds < 1:
         ap.error("--seeds must be at least 1")
     try:

@@ -44,16 +44,19 @@ def round_trip(codec: codecs.Codec, t: torch.Tensor) -> torch.Tensor:
 def moment_codecs(requested: str, shape: tuple[int, ...]) -> tuple[codecs.Codec, codecs.Codec] | None:
     """(m codec, v codec) the policy picks under ``NAME[:ROUNDING[:PART]]``, None when it keeps raw.
 
-    PART ``m`` or ``v`` codes only that moment (the other one gets ``raw``): which one costs.
+    ROUNDING may name m's and v's apart, ``dither/stochastic``; PART ``m`` or ``v`` codes only
+    that moment (the other one gets ``raw``): which one costs.
     """
     name, rounding, part = (requested.split(":") + ["", ""])[:3]
+    m_round, _, v_round = rounding.partition("/")  # "dither/stochastic": m's, then v's
     pair = []
     for role in ("exp_avg", "exp_avg_sq"):
         codec = choose_codec(name, shape, role)
         if codec.lossless:
             return None
-        if rounding:
-            codec = codecs.get(name, **{**codec.params(), "rounding": rounding})
+        r = m_round if role == "exp_avg" else (v_round or m_round)
+        if r:
+            codec = codecs.get(name, **{**codec.params(), "rounding": r})
         if part and part != ("m" if role == "exp_avg" else "v"):
             codec = codecs.get("raw")
         pair.append(codec)
@@ -169,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                for part in args.parts.split(",") if part]
     for c in configs:
         name, rounding, *part = c.split(":")
-        codecs.get(name, rounding=rounding)  # fail fast on a bad name
+        for r in rounding.split("/"):
+            codecs.get(name, rounding=r)  # fail fast on a bad name
         if part and part[0] not in ("m", "v"):
             ap.error(f"--parts takes mv, m or v, not {part[0]!r}")
     if args.steps < 2:

@@ -471,3 +471,40 @@ def test_v_rounding_ablation_targets_are_unbiased(monkeypatch: pytest.MonkeyPatc
     logs = torch.stack([_round_trip(usr, d)[0].log2() for d in draws[:500]]).mean(0)
     mid = (v > 1e-3) & (v < 7.0)  # strictly between two of the row's levels
     assert bool(((logs - v.log2()) * (1 if power > 0 else -1) < 0)[mid].all()), logs - v.log2()
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_calibrated_rounding_keeps_the_norm_and_the_update_length(name: str, real_moments) -> None:
+    """rounding="calibrated": stochastic codes with one gain per chunk folded into the scales.
+    Signed: the decoded chunk has the input's L2 norm (stochastic rounding's is longer: its
+    noise is orthogonal to the value). Unsigned: mean(v / v_decoded) is 1 to within the
+    1/128-octave grain of the stored log2 scales (what keeps sum(m**2 / v) of the update)."""
+    m, v = max(real_moments, key=lambda mv: mv[0].numel())
+    cal, sr = codecs.get(name, rounding="calibrated"), codecs.get(name, rounding="stochastic")
+    dm, dm_sr = _round_trip(cal, m), _round_trip(sr, m)
+    assert float(dm.norm() / m.norm()) == pytest.approx(1.0, abs=1e-4)
+    if name != "q8":  # q8's noise is below 0.1% of the norm
+        assert float(dm_sr.norm() / m.norm()) > 1.001
+    # the same codes as stochastic rounding, only the scales differ: the same signs and zeros
+    assert torch.equal(torch.sign(dm), torch.sign(dm_sr))
+    ucal = codecs.get(name, signed=False, rounding="calibrated")
+    dv = _round_trip(ucal, v)
+    pos = v > 0
+    assert float((v[pos] / dv[pos]).mean()) == pytest.approx(1.0, abs=2 ** (1 / 256) - 1 + 1e-4)
+    assert bool((dv[pos] > 0).all())  # the zero-point guarantee holds
+    # decoding is the same for every rounding: a plain codec reads calibrated bytes alike
+    data = cal.encode(m)
+    plain = codecs.get(name).decode(memoryview(data.numpy()), tuple(m.shape), m.dtype)
+    assert torch.equal(plain, dm)
+    assert torch.equal(cal.encode(m.clone()), data)  # a function of the chunk, as stochastic
+
+
+def test_calibrated_rounding_edge_cases() -> None:
+    """All-zero and constant chunks keep their exact decodes; the spec round-trips."""
+    for signed in (True, False):
+        cal = codecs.get("q2", signed=signed, rounding="calibrated", block=8)
+        assert codecs.from_spec(cal.spec()) == cal
+        assert torch.equal(_round_trip(cal, torch.zeros(4, 8)), torch.zeros(4, 8))
+        assert torch.equal(_round_trip(cal, torch.full((4, 8), 0.5)), torch.full((4, 8), 0.5))
+    with pytest.raises(tierstore.CodecError, match="rounding"):
+        quant.quantize(torch.ones(8), 4, 8, True, mode="dither")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tierstore import codecs
+from tierstore.codecs.policy import choose_codec
 from tools import bench_codecs, bench_convergence, moment_stats
 from tools.moments import tiny_model
 
@@ -16,6 +18,26 @@ def _rows(out: str) -> dict[str, list[str]]:
         if len(parts) >= 9 and parts[-1].replace(".", "", 1).isdigit():
             rows[" ".join(parts[:-8])] = parts[-8:]
     return rows
+
+
+
+def test_round_trip_states_takes_m_and_v_roundings_apart() -> None:
+    """``q2:calibrated/stochastic``: m through the calibrated codec, v through the stochastic one."""
+    torch.manual_seed(0)
+    model = tiny_model(hidden=64, layers=1)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randint(0, 256, (2, 16))
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    p = max(opt.state, key=lambda q: q.numel())
+    m, v = opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone()
+    bench_convergence.round_trip_states(opt, "q2:calibrated/stochastic")
+    want = [codecs.get("q2", **{**choose_codec("q2", tuple(m.shape), role).params(), "rounding": r})
+            for role, r in (("exp_avg", "calibrated"), ("exp_avg_sq", "stochastic"))]
+    for t, got, codec in ((m, opt.state[p]["exp_avg"], want[0]), (v, opt.state[p]["exp_avg_sq"], want[1])):
+        ref = codec.decode(memoryview(codec.encode(t).numpy()), tuple(t.shape), t.dtype)
+        assert torch.equal(got, ref)
+    assert float(opt.state[p]["exp_avg"].norm() / m.norm()) == pytest.approx(1.0, abs=1e-4)
 
 
 @pytest.mark.slow

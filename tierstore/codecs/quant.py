@@ -46,6 +46,12 @@ encodes to the same bytes on any thread, in any run, and after a resume (trainin
 reproducible bit for bit), and torch's random stream is never touched. An optimizer state
 changes every step, and so does its seed.
 
+Calibrated rounding (``rounding="calibrated"``, an ablation of issue 17, not the policy's):
+stochastic codes, then one gain per chunk folded into both scale vectors, exactly (signed:
+float32 maxima times the gain) or to 1/128 octave (unsigned: the log2 maxima shifted), so that
+the layout and the decoder are unchanged: a signed chunk decodes with the input's L2 norm, an
+unsigned one with mean(v / v_decoded) = 1.
+
 Both modes reject NaN and +-inf with CodecError (an optimizer state holding them is already
 broken; storing them silently would hide it). Input is float32, bfloat16 or float16; decode
 returns float32. Stored bytes, for a ``rows x cols`` matrix: signed ``[row maxima, float32]
@@ -231,7 +237,7 @@ def _log_max(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.where(xmax <= 0, EMPTY, torch.ceil(torch.log2(xmax) * LOG_UNITS).clamp_max(MAX_LOG))
 
 
-def _encode_matrix(xm: torch.Tensor, bits: int, signed: bool, stochastic: bool = False
+def _encode_matrix(xm: torch.Tensor, bits: int, signed: bool, mode: str = "nearest"
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row scales, column scales, codes (uint8, unpacked) and per-row (max, min) to validate with.
 
@@ -242,7 +248,7 @@ def _encode_matrix(xm: torch.Tensor, bits: int, signed: bool, stochastic: bool =
     if signed:
         mag = xm.abs()
         rows, cols = mag.amax(dim=1), mag.amax(dim=0)
-        seed = _data_seed(rows) if stochastic else None
+        seed = _data_seed(rows) if mode != "nearest" else None
         s = torch.minimum(rows[:, None], cols[None, :])
         # divide, not multiply by 1/s: a subnormal s has an infinite reciprocal
         y = mag / s.clamp_min(FLOAT32_TINY)
@@ -266,10 +272,23 @@ def _encode_matrix(xm: torch.Tensor, bits: int, signed: bool, stochastic: bool =
             km = k + (_uniform(y, seed) < (y - lo) / (hi - lo)).to(k.dtype)
             codes = torch.where(neg, half - km, half + km)
         check_max, check_min = rows, rows
+        if mode == "calibrated":
+            # one gain for the chunk, folded into both scale vectors (s_ij = min(row, col) then
+            # scales by it exactly, so decoding is unchanged): the decoded chunk gets the L2
+            # norm of the input. Unbiased rounding of a value far below its step adds noise
+            # orthogonal to it, and an m re-quantized every step keeps ~1 / (1 - beta1**2)
+            # steps of that noise, which made the update longer than fp32's (q2: 2.3x)
+            yd = codes * (1.0 / half) - 1.0
+            if bits in COMPANDED_BITS:
+                yd = yd * yd.abs()
+            dec = yd * s
+            gain = xm.norm() / dec.norm().clamp_min(FLOAT32_TINY)
+            gain = torch.where(dec.norm() > 0, gain, torch.ones_like(gain))
+            rows, cols = rows * gain, cols * gain
     else:
         check_max, check_min = xm.amax(dim=1), xm.amin(dim=1)
-        seed = _data_seed(check_max) if stochastic else None
         hr, hc = _log_max(xm, 1), _log_max(xm, 0)
+        seed = _data_seed(check_max) if mode in ("stochastic", "calibrated") else None
         ls = torch.minimum(hr[:, None], hc[None, :]) * (1.0 / LOG_UNITS)  # log2 s_ij
         pos = xm > 0
         rel = torch.log2(xm) - ls  # <= 0 where positive; -inf at zeros, masked below
@@ -292,6 +311,19 @@ def _encode_matrix(xm: torch.Tensor, bits: int, signed: bool, stochastic: bool =
                 p = -torch.expm1(-0.5 * f * d * _LN2) / (-torch.expm1(-0.5 * d * _LN2)).clamp_min(1e-30)
             p = torch.where(step[:, None] > 0, p, torch.zeros_like(p))
             codes = (k + (_uniform(t, seed) < p).to(k.dtype)).clamp(0, levels)
+        if mode == "calibrated":
+            # one shift of both log2 scale vectors (whole 1/128 octaves, so decoding is
+            # unchanged) that makes the chunk's mean v / v_decoded 1: the update's squared
+            # norm is sum(m**2 / v), and m**2 tracks v, so this keeps the update's length.
+            # Rounding unbiased in log2 is not: its 1/sqrt(v) spreads, and noise lengthens it
+            ld = torch.where(step[:, None] > 0,
+                             ls + lo_oct + codes * (1.0 / step.clamp_min(1e-30))[:, None], ls + lo_oct)
+            ratio = torch.where(pos, torch.exp2(torch.log2(xm.clamp_min(FLOAT32_TINY)) - ld), 0.0)
+            mean = ratio.sum() / pos.sum().clamp_min(1)
+            shift = torch.round(torch.log2(mean.clamp_min(1e-30)) * LOG_UNITS)
+            shift = torch.where(pos.any(), shift, torch.zeros_like(shift))
+            hr = torch.where(hr == EMPTY, EMPTY, (hr + shift).clamp(-MAX_LOG, MAX_LOG))
+            hc = torch.where(hc == EMPTY, EMPTY, (hc + shift).clamp(-MAX_LOG, MAX_LOG))
         rows, cols = torch.stack([hr, lo]), hc
     return rows, cols, codes.to(torch.uint8), check_max, check_min
 
@@ -319,9 +351,11 @@ def _decode_matrix(rows: torch.Tensor, cols: torch.Tensor, packed: torch.Tensor,
 
 
 # inductor-compiled twins of the two kernels (one fused loop each instead of ~20 eager passes),
-# one per (kernel, bits, signed, stochastic) so those stay constants; sizes are dynamic. Built on
+# one per (kernel, bits, signed, rounding mode) so those stay constants; sizes are dynamic. Built on
 # first use of a large chunk: compiling costs seconds that small chunks never repay.
-_COMPILED: dict[tuple[str, int, bool, bool], Callable[..., Any]] = {}
+_COMPILED: dict[tuple[str, int, bool, str], Callable[..., Any]] = {}
+#: rounding modes of the encoder; decoding is the same for all of them (see the module doc)
+MODES = ("nearest", "stochastic", "calibrated")
 COMPILE_MIN_ELEMENTS = 1 << 20
 _compile_mode = "auto"
 
@@ -334,11 +368,11 @@ def set_compile(mode: str) -> None:
     _compile_mode = mode
 
 
-def _eager(name: str, bits: int, signed: bool, stochastic: bool = False) -> Callable[..., Any]:
+def _eager(name: str, bits: int, signed: bool, mode: str = "nearest") -> Callable[..., Any]:
     """Kernel ``name`` with its constants bound as closure cells (dynamo specializes on them)."""
     if name == "encode":
         def encode(xm: torch.Tensor) -> Any:
-            return _encode_matrix(xm, bits, signed, stochastic)
+            return _encode_matrix(xm, bits, signed, mode)
         return encode
 
     def decode(rows: torch.Tensor, cols: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -346,15 +380,15 @@ def _eager(name: str, bits: int, signed: bool, stochastic: bool = False) -> Call
     return decode
 
 
-def _run(name: str, n: int, bits: int, signed: bool, stochastic: bool, *args: torch.Tensor) -> Any:
+def _run(name: str, n: int, bits: int, signed: bool, mode: str, *args: torch.Tensor) -> Any:
     """Run kernel ``name``, compiled when worth it; a failing compile falls back to eager."""
-    key = (name, bits, signed, stochastic)
+    key = (name, bits, signed, mode)
     if _compile_mode == "never" or (_compile_mode == "auto" and n < COMPILE_MIN_ELEMENTS):
         return _eager(*key)(*args)
     fn = _COMPILED.get(key)
     if fn is None:
         # dynamo caches compiled variants per code object, and all variants share the code of
-        # ``_eager``'s closures: 4 widths x 2 modes x 2 roundings x 2 kernels overflow its
+        # ``_eager``'s closures: 4 widths x 2 modes x 3 roundings x 2 kernels overflow its
         # default limit of 8, past which it silently runs eager. Raise it (never lower it).
         limit = len(_COMPILED) + 8
         cfg = torch._dynamo.config
@@ -377,13 +411,18 @@ def _run(name: str, n: int, bits: int, signed: bool, stochastic: bool, *args: to
 
 
 def quantize(x: torch.Tensor, bits: int, block: int, signed: bool, name: str = "quant",
-             stochastic: bool = False) -> torch.Tensor:
+             stochastic: bool = False, mode: str | None = None) -> torch.Tensor:
     """Encode a float tensor into the stored bytes (a uint8 tensor on ``x``'s device).
 
     ``stochastic`` rounds each value up or down at random with the probabilities that make the
     decoded value unbiased (signed; in log2 for unsigned), from random numbers that are a
-    function of the chunk (see the module doc); decoding is the same either way.
+    function of the chunk (see the module doc); decoding is the same either way. ``mode``, when
+    given, names the rounding instead: "nearest", "stochastic" or "calibrated".
     """
+    if mode is None:
+        mode = "stochastic" if stochastic else "nearest"
+    if mode not in MODES:
+        raise CodecError(f"{name} rounding must be one of {MODES}, got {mode!r}")
     nr, nc = matrix_shape(x.shape, block)
     flat = x.reshape(-1).to(torch.float32)
     n = flat.numel()
@@ -391,7 +430,7 @@ def quantize(x: torch.Tensor, bits: int, block: int, signed: bool, name: str = "
         return torch.empty(0, dtype=torch.uint8, device=x.device)
     if nr * nc > n:  # the block view's last row; zeros move no maximum of either mode
         flat = torch.nn.functional.pad(flat, (0, nr * nc - n))
-    rows, cols, codes, check_max, check_min = _run("encode", n, bits, signed, stochastic,
+    rows, cols, codes, check_max, check_min = _run("encode", n, bits, signed, mode,
                                                    flat.view(nr, nc))
     # NaN and inf reach every row reduction, so validating the small per-row results is enough,
     # and costs no extra pass over the chunk
@@ -430,7 +469,7 @@ def dequantize(payload: torch.Tensor, shape: Sequence[int], bits: int, block: in
     else:
         scales = raw.view(torch.int16).to(torch.float32)
         rows, cols = scales[: 2 * nr].view(2, nr), scales[2 * nr:]
-    out = _run("decode", n, bits, signed, False, rows, cols, payload[head:])
+    out = _run("decode", n, bits, signed, "nearest", rows, cols, payload[head:])
     return out[:n].view(shape)
 
 

@@ -24,8 +24,10 @@ FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 #: "nearest" is deterministic; "stochastic" rounds up or down at random so that the code is
 #: unbiased, which keeps an optimizer state that is re-quantized every step from sticking at a
 #: level when its per-step change is smaller than half a quantization step (signal swamping).
-#: Decoding is identical; only ``encode`` differs.
-ROUNDINGS = ("nearest", "stochastic")
+#: "calibrated" (an ablation, issue 17) is stochastic with one gain per chunk folded into the
+#: stored scales (signed: the decoded L2 norm is the input's; unsigned: mean(v / decoded) is 1).
+#: Decoding is identical for all three; only ``encode`` differs.
+ROUNDINGS = ("nearest", "stochastic", "calibrated")
 #: the scale layouts this version reads and writes (see ``quant``)
 SCALE_LAYOUTS = ("rank1",)
 
@@ -87,7 +89,7 @@ class QuantCodec(Codec):
         """Scales then bit-packed codes, as a uint8 tensor on the chunk's device."""
         self.check_dtype(chunk.dtype)
         return quant.quantize(chunk, self.code_bits, self.block, self.signed, self.name,
-                              stochastic=self.rounding == "stochastic")
+                              mode=self.rounding)
 
     def decode(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A float32 tensor of ``shape`` from the stored bytes."""
