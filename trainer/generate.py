@@ -44,7 +44,7 @@ from torch import nn
 from trainer import memory
 from trainer.grad_drain import GradDrain
 from trainer.model import ModelParts, decompose
-from trainer.streaming import StreamingEngine, _Captured, _CaptureFirstLayer
+from trainer.streaming import StreamingEngine, capture_first_layer
 
 KV_PREFIX = "generate/"
 
@@ -439,19 +439,11 @@ class Generator:
     def _prelude(self, w: dict[str, torch.Tensor], input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
                  position_ids: torch.Tensor, cache: Any) -> Any:
         """The body's forward up to its first layer (embeddings, masks, rotary): its arguments, captured."""
-        layers = self.parts.layers
-        first = layers[0]
-        layers[0] = _CaptureFirstLayer()
-        try:
+        def run() -> None:
             with self._bound(0, w):
                 self.parts.body(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True,
                                 position_ids=position_ids)
-        except _Captured as c:
-            c.__traceback__ = None  # its frames would keep the bound weights alive
-            return c
-        finally:
-            layers[0] = first
-        raise RuntimeError(f"{type(self.parts.body).__name__}.forward never called its first layer")
+        return capture_first_layer(self.parts.body, self.parts.layers, run)
 
     def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
              kv: StoreKV, cache: Any) -> torch.Tensor:

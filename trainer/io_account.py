@@ -58,15 +58,13 @@ class StepAccount:
         self.moment_keys = moment_keys
         self._weights: int | None = None
         self._moments: int | None = None
-        self._before: dict[str, Any] = {}
 
-    def begin(self) -> None:
-        """Snapshot the counters at the start of a step."""
-        self._before = dict(self.store.stats())
+    def end(self, step: int, before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, float]:
+        """Step ``step``'s figures (1-based) from ``store.stats()`` at its start and end.
 
-    def end(self, step: int) -> dict[str, float]:
-        """This step's figures (``step`` 1-based); stored sizes are read once, when all exist."""
-        out: dict[str, float] = dict(moved(self._before, self.store.stats()))
+        The stored sizes are read once, when every key exists.
+        """
+        out: dict[str, float] = dict(moved(before, after))
         if self._weights is None:
             self._weights = stored_bytes(self.store, self.params)
         if self._moments is None and step > 1:  # written by step 1's updates

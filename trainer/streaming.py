@@ -44,6 +44,20 @@ class _CaptureFirstLayer(nn.Module):
         raise _Captured(args, kwargs)
 
 
+def capture_first_layer(body: nn.Module, layers: nn.ModuleList, run: Callable[[], Any]) -> _Captured:
+    """Run ``run`` (a forward of ``body``) until it calls ``layers[0]``; that call's arguments."""
+    first = layers[0]
+    layers[0] = _CaptureFirstLayer()
+    try:
+        run()
+    except _Captured as c:
+        c.__traceback__ = None  # its frames would keep the bound weights alive
+        return c
+    finally:
+        layers[0] = first
+    raise RuntimeError(f"{type(body).__name__}.forward never called its first layer")
+
+
 def _detach_tree(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         if x.requires_grad:
@@ -163,24 +177,16 @@ class StreamingEngine:
         return torch.get_rng_state(), cuda
 
     # -- pieces ----------------------------------------------------------------------------
-    def _prelude(self, w: dict[str, torch.Tensor], batch: dict[str, torch.Tensor],
-                 extra: dict[str, Any] | None = None) -> _Captured:
-        """The body's forward up to its first layer; ``extra`` adds keyword arguments (generation's cache)."""
-        layers = self.parts.layers
-        first = layers[0]
+    def _prelude(self, w: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> _Captured:
+        """The body's forward up to its first layer (embeddings, masks, rotary): its arguments."""
         local = {n[len(self.body_prefix):]: t for n, t in w.items()}
-        layers[0] = _CaptureFirstLayer()
-        try:
+
+        def run() -> None:
             with self._autocast():
                 functional_call(self.parts.body, local, args=(),
                                 kwargs={"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-                                        "use_cache": False, **(extra or {})})
-        except _Captured as c:
-            c.__traceback__ = None  # its frames would keep the bound weights alive
-            return c
-        finally:
-            layers[0] = first
-        raise RuntimeError(f"{type(self.parts.body).__name__}.forward never called its first layer")
+                                        "use_cache": False})
+        return capture_first_layer(self.parts.body, self.parts.layers, run)
 
     def _layer(self, i: int, w: dict[str, torch.Tensor], h: torch.Tensor, cap: _Captured) -> torch.Tensor:
         prefix = f"{self.parts.layers_name}.{i}."

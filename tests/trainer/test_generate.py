@@ -147,29 +147,26 @@ def test_a_window_without_room_for_the_kv_workspace_raises(tmp_path: Any) -> Non
     assert mt.generate(skeleton, ids, max_new_tokens=9, kv_block_tokens=8).shape == (4, 39)
 
 
-def test_generate_from_a_store_folder(tmp_path: Any) -> None:
+def _from_imported_store(tmp_path: Any, model: Any, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mt.generate from a `tierstore import` of ``model``, transformers' generate) on padded prompts."""
     from tools.cli import main
 
-    model = build(gpt2_config(2)).eval()
     model.save_pretrained(str(tmp_path / "hf"))
     assert main(["--quiet", "import", str(tmp_path / "hf"), str(tmp_path / "store")]) == 0
     mt.init(offload_dir=str(tmp_path / "other"), max_vram_gb="4MiB", max_ram_gb="16MiB", device="cpu")
-    ids, mask = _prompts(2, 7, seed=8, pad=True)
+    ids, mask = _prompts(2, 7, seed=seed, pad=True)
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
     out = mt.generate(str(tmp_path / "store"), ids, attention_mask=mask, max_new_tokens=10)
+    return out, ref
+
+
+def test_generate_from_a_store_folder(tmp_path: Any) -> None:
+    out, ref = _from_imported_store(tmp_path, build(gpt2_config(2)).eval(), seed=8)
     assert torch.equal(out, ref)
 
 
 def test_bf16_weights_equal_transformers_in_bf16(tmp_path: Any) -> None:
-    from tools.cli import main
-
-    model = build(llama_config(2)).to(torch.bfloat16).eval()
-    model.save_pretrained(str(tmp_path / "hf"))
-    assert main(["--quiet", "import", str(tmp_path / "hf"), str(tmp_path / "store")]) == 0
-    mt.init(offload_dir=str(tmp_path / "other"), max_vram_gb="4MiB", max_ram_gb="16MiB", device="cpu")
-    ids, mask = _prompts(2, 7, seed=9, pad=True)
-    ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
-    out = mt.generate(str(tmp_path / "store"), ids, attention_mask=mask, max_new_tokens=10)
+    out, ref = _from_imported_store(tmp_path, build(llama_config(2)).to(torch.bfloat16).eval(), seed=9)
     assert torch.equal(out, ref)
 
 
