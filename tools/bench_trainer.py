@@ -1,11 +1,14 @@
 """Benchmark: the streaming trainer vs plain in-memory PyTorch training of the same model and batch.
 
     python -m tools.bench_trainer [--steps 4] [--rounds 2] [--batch 8] [--seq 256] [--dir DIR]
+                                  [--timeline PNG]
 
 Plain PyTorch runs twice (with ``gradient_checkpointing_enable`` and without); the streaming
 trainer runs with its device window at a quarter of the weights and its RAM budget below the
 training state (16 B a parameter), so weights stream through the window and state spills to
-disk. The first step of each run is a warm-up and is not timed.
+disk. The first step of each run is a warm-up and is not timed. ``--timeline PNG`` draws the last
+round's streaming step ``--steps`` (the next to last: the last one also holds the final commit) as
+``tierstore trace RUN_DIR --step N`` would, and keeps its Chrome trace next to it.
 """
 
 from __future__ import annotations
@@ -68,6 +71,13 @@ def _streaming(model: torch.nn.Module, dataset: Any, a: argparse.Namespace, vram
     return [e for e in tr.state.log_history if "loss" in e][1:], stats
 
 
+def _draw_step(run_dir: str, step: int, out: str) -> None:
+    """``tierstore trace run_dir --step step --out out``, printing its lanes."""
+    from tools import trace_cmd
+
+    trace_cmd.run(argparse.Namespace(run_dir=run_dir, out=out, step=step))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the three trainings and print tokens/s, the ratio, stall time and the optimizer's share."""
     from transformers import AutoModelForCausalLM
@@ -85,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds of the three runs")
     p.add_argument("--dir", default=None, help="where the store goes (default: a temporary folder)")
+    p.add_argument("--timeline", default=None, metavar="PNG",
+                   help="draw one streaming step's I/O and compute timeline to this PNG")
     a = p.parse_args(argv)
     folder = a.dir or tempfile.mkdtemp(prefix="bench-trainer-")
     torch.manual_seed(0)
@@ -119,6 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sub = os.path.join(folder, f"round{r}")
         try:
             log, stats = _streaming(m, dataset, a, vram, ram, sub)
+            if a.timeline and r == a.rounds - 1:
+                _draw_step(sub, a.steps, a.timeline)
         finally:
             shutil.rmtree(sub, ignore_errors=True)
         times[RUNS[2]] += [e["step_s"] for e in log]

@@ -61,6 +61,24 @@ def spans_of(events: list[dict[str, Any]]) -> list[Span]:
     return sorted(spans, key=lambda s: s.start)
 
 
+def step_window(events: list[dict[str, Any]], step: int) -> tuple[float, float] | None:
+    """The (start, end) in microseconds of the trainer's ``step`` span for ``step``, if the trace has it."""
+    for s in spans_of([e for e in events if e.get("name") == "step"
+                       and isinstance(e.get("args"), dict) and e["args"].get("step") == step]):
+        return s.start, s.start + s.dur
+    return None
+
+
+def clip_spans(spans: list[Span], lo: float, hi: float) -> list[Span]:
+    """The parts of ``spans`` inside ``[lo, hi]`` (microseconds); spans wholly outside are dropped."""
+    out = []
+    for s in spans:
+        a, b = max(s.start, lo), min(s.start + s.dur, hi)
+        if b > a or (s.dur == 0 and lo <= s.start <= hi):
+            out.append(dataclasses.replace(s, start=a, dur=max(0.0, b - a)))
+    return out
+
+
 def lanes_of(spans: list[Span]) -> dict[str, list[Span]]:
     """Spans grouped into lanes named ``thread · category``, sorted by lane name."""
     lanes: dict[str, list[Span]] = defaultdict(list)

@@ -462,7 +462,8 @@ class Trainer:
         # per-step bytes per tier in log_history; a rank's sharded moments have other keys, so
         # data parallel logs the bytes without the budgets' minimum
         account = StepAccount(store, list(all_params) if dp is None else [],
-                              [p + n for p in (EXP_AVG, EXP_AVG_SQ) for n in all_params] if dp is None else [])
+                              [p + n for p in (EXP_AVG, EXP_AVG_SQ) for n in all_params] if dp is None else [],
+                              clipping=clip is not None)
         bar = tqdm(total=total, initial=start, disable=cfg.disable_tqdm or not st.is_world_process_zero, desc="train",
                    dynamic_ncols=True)
         sized = has_length(self.train_dataset)
@@ -665,7 +666,7 @@ class Trainer:
     def _trace_step(self, t0: float) -> None:
         trace = getattr(self.store, "trace_span", None)
         if trace is not None:
-            trace("step", "compute", t0, time.perf_counter(), step=self.state.global_step)
+            trace("step", "step", t0, time.perf_counter(), step=self.state.global_step)
 
     def _write_trace(self) -> None:
         """``output_dir/trace.json``: the store's I/O spans and the steps, for ``tierstore trace``."""

@@ -2,9 +2,12 @@
 
 A step reads each weight for forward and again for backward (its recompute under activation
 checkpointing), reads the moments once and writes weights and moments once; whatever the RAM tier
-and the window can hold across those passes need not come from disk again. So at least
-``2 W + M - 2 (RAM + window)`` bytes are read (no moments at step 1: they start at zero) and
-``W + M`` written, ``W`` and ``M`` being the stored bytes of the weights and of the moments.
+and the window (together ``C`` bytes) hold across steps need not come from disk again. A cached
+weight byte saves two reads and a cached moment byte one, so the best cache holds weights first:
+at least ``2 W + M - 2 min(C, W) - min(max(0, C - W), M)`` bytes are read (no moments at step 1:
+they start at zero) and ``W + M`` written, ``W`` and ``M`` being the stored bytes of the weights and
+of the moments. Gradients held for clipping (``G`` bytes, all of them alive when backward ends)
+that do not fit in ``C`` must be written and read back once more: ``max(0, G - C)`` each way.
 The CPU optimizer runs beside the next step, so a step's counted bytes hold some of the previous
 step's updates: compare averages over steps, not single steps.
 """
@@ -29,13 +32,16 @@ def moved(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, int]
 
 
 def minimum(weights: int, moments: int, ram_budget: int | None, window: int | None,
-            first_step: bool = False) -> tuple[int, int]:
+            first_step: bool = False, held_grads: int = 0) -> tuple[int, int]:
     """(read, written) disk bytes a step needs at least with these budgets (None: unbounded)."""
     written = weights + moments
     if ram_budget is None or window is None:
         return 0, written  # everything can stay in RAM after it is first read
-    need = 2 * weights + (0 if first_step else moments)
-    return max(0, need - 2 * (ram_budget + window)), written
+    cap = ram_budget + window
+    read_m = 0 if first_step else moments
+    saved = 2 * min(cap, weights) + min(max(0, cap - weights), read_m)
+    spill = max(0, held_grads - cap)
+    return 2 * weights + read_m - saved + spill, written + spill
 
 
 def stored_bytes(store: Any, keys: Iterable[str]) -> int | None:
@@ -52,11 +58,13 @@ def stored_bytes(store: Any, keys: Iterable[str]) -> int | None:
 class StepAccount:
     """Per-step I/O figures for log_history: bytes moved per tier and the budgets' minimum."""
 
-    def __init__(self, store: Any, params: list[str], moment_keys: list[str]) -> None:
+    def __init__(self, store: Any, params: list[str], moment_keys: list[str], clipping: bool = False) -> None:
         self.store = store
         self.params = params
         self.moment_keys = moment_keys
+        self.clipping = clipping  # clipping holds every gradient (the weights' logical bytes) until backward ends
         self._weights: int | None = None
+        self._grads = 0
         self._moments: int | None = None
 
     def end(self, step: int, before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, float]:
@@ -67,13 +75,16 @@ class StepAccount:
         out: dict[str, float] = dict(moved(before, after))
         if self._weights is None:
             self._weights = stored_bytes(self.store, self.params)
+            if self._weights is not None and self.clipping:
+                self._grads = sum(self.store.info(k).nbytes for k in self.params)
         if self._moments is None and step > 1:  # written by step 1's updates
             self._moments = stored_bytes(self.store, self.moment_keys)
         if self._weights is None:
             return out
         m = self._moments or 0
         cfg = self.store.config
-        lo_read, lo_written = minimum(self._weights, m, cfg.ram_budget, cfg.device_budget, step == 1)
+        lo_read, lo_written = minimum(self._weights, m, cfg.ram_budget, cfg.device_budget, step == 1,
+                                      held_grads=self._grads)
         out["io_min_disk_read_bytes"] = lo_read
         out["io_min_disk_written_bytes"] = lo_written
         lo = lo_read + lo_written

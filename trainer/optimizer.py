@@ -157,7 +157,11 @@ class StoreAdamW:
                 self.store.put(name, param, codec="raw", copy=False)
                 self.store.put(EXP_AVG + name, m, codec=mc, copy=False)
                 self.store.put(EXP_AVG_SQ + name, v, codec=vc, copy=False)
-        self.busy_s += time.perf_counter() - start
+        end = time.perf_counter()
+        self.busy_s += end - start
+        trace = getattr(self.store, "trace_span", None)
+        if trace is not None:
+            trace(f"adamw {g}", "optimizer", start, end)
 
 
 class UpdateWorker:

@@ -15,6 +15,7 @@ called with, so each layer gets exactly the arguments the model itself would pas
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -143,6 +144,7 @@ class StreamingEngine:
         The window counts a tensor's bytes while the object it handed out is alive, so the
         originals are held as long as their autograd leaves (aliases of the same memory) are.
         """
+        t0 = time.perf_counter()
         if self.before_fetch is not None:
             self.before_fetch(g)
         out, held = {}, []
@@ -152,7 +154,14 @@ class StreamingEngine:
                 held.append(t)
                 # Read-only: detach() shares the memory, and autograd never writes its leaves.
                 out[name] = t.detach().requires_grad_(grad) if grad else t
+        self._span(f"fetch {g}", "wait", t0)
         return out, held
+
+    def _span(self, name: str, cat: str, t0: float) -> None:
+        """Trace ``name`` from ``t0`` to now on this thread (``tierstore trace`` draws it)."""
+        trace = getattr(self.store, "trace_span", None)
+        if trace is not None:
+            trace(name, cat, t0, time.perf_counter())
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if not self.bf16:
@@ -219,7 +228,9 @@ class StreamingEngine:
             w, held = self._fetch(0, grad=False)
             self._prefetch(1, 0)
             rng.append(self._rng_state())
+            t0 = time.perf_counter()
             cap = self._prelude(w, batch)
+            self._span("forward 0", "compute", t0)
             del w, held
             h = cap.args[0]
             cap.args = (None, *cap.args[1:])
@@ -229,18 +240,22 @@ class StreamingEngine:
                 w, held = self._fetch(i + 1, grad=False)
                 self._prefetch(i + 2, i + 1)
                 rng.append(self._rng_state())
+                t0 = time.perf_counter()
                 h = self._layer(i, w, h, cap)
+                self._span(f"forward {i + 1}", "compute", t0)
                 del w, held
                 boundary.append(h)
         # Norm + head + loss with autograd; their backward runs right away.
         w, held = self._fetch(head_g, grad=True)
         self._prefetch(n_layers, head_g)
         x = boundary.pop().detach().requires_grad_()
+        t0 = time.perf_counter()
         logits = self._head(w, x)
         loss_sum = causal_lm_loss_sum(logits, batch["labels"])
         grads = torch.autograd.grad(loss_sum / num_items, [x, *w.values()], allow_unused=True)
         dh = grads[0]
         head_grads = self._host_grads(w, grads[1:])
+        self._span(f"head {head_g}", "compute", t0)
         del logits, w, held, grads
         tied_key = self.parts.head_params.get("weight") if self.parts.tied else None
         tied_grad = head_grads.pop(tied_key) if tied_key is not None and tied_key in head_grads else None
@@ -250,19 +265,23 @@ class StreamingEngine:
             w, held = self._fetch(i + 1, grad=True)
             self._prefetch(i, i + 1)  # group i is layer i-1, or the prelude when i == 0
             x = boundary.pop().detach().requires_grad_()
+            t0 = time.perf_counter()
             with torch.enable_grad(), self._rng(rng[i + 1]):
                 out = self._layer(i, w, x, cap)
             grads = torch.autograd.grad(out, [x, *w.values()], dh, allow_unused=True)
             dh = grads[0]
+            self._span(f"backward {i + 1}", "compute", t0)
             self.drain.submit(i + 1, self._device_grads(w, grads[1:]), sink)
             del out, w, held, grads
         # The prelude: recompute the embeddings with autograd and backprop into them.
         w, held = self._fetch(0, grad=True)
+        t0 = time.perf_counter()
         with torch.enable_grad(), self._rng(rng[0]):
             c = self._prelude(w, batch)
         _detach_tree((c.args[1:], c.kwargs))  # raises if a layer argument depends on weights
         grads = torch.autograd.grad(c.args[0], list(w.values()), dh, allow_unused=True)
         pre = self._host_grads(w, grads)
+        self._span("backward 0", "compute", t0)
         del w, held, c, grads
         self.drain.flush()  # every layer's sink has run: the prelude's comes last, as before
         if tied_grad is not None:

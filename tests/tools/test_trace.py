@@ -74,3 +74,25 @@ def test_trace_errors(cli, tmp_path) -> None:
     bad.write_text(json.dumps({"traceEvents": []}))
     code, _, err = cli("trace", str(bad))
     assert code == 2 and "no spans" in err
+
+
+def test_one_step_is_cut_out(cli, tmp_path) -> None:
+    run = tmp_path / "steps"
+    run.mkdir()
+    events = [
+        {"name": "step", "cat": "compute", "ph": "X", "ts": 0, "dur": 1000, "pid": 0, "tid": "main",
+         "args": {"step": 1}},
+        {"name": "step", "cat": "compute", "ph": "X", "ts": 1000, "dur": 2000, "pid": 0, "tid": "main",
+         "args": {"step": 2}},
+        {"name": "read", "cat": "disk", "ph": "X", "ts": 900, "dur": 300, "pid": 0, "tid": "io"},
+        {"name": "write", "cat": "disk", "ph": "X", "ts": 100, "dur": 50, "pid": 0, "tid": "io"},
+    ]
+    (run / "trace.json").write_text(json.dumps(events))
+    code, out, err = cli("trace", str(run), "--step", "2")
+    assert code == 0, err
+    # step 2's span and the part of the read inside it: 2,000 us of compute, 200 us of disk
+    busy = {line.split("  ")[0]: line.split()[-5:] for line in out.splitlines() if "busy" in line}
+    assert busy == {"main · compute": ["1", "spans", "2.0", "ms", "busy"],
+                    "io · disk": ["1", "spans", "0.2", "ms", "busy"]}
+    code, _, err = cli("trace", str(run), "--step", "7")
+    assert code == 2 and "no span of step 7" in err and "[1, 2]" in err

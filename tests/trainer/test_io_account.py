@@ -20,6 +20,10 @@ def test_minimum_and_moved() -> None:
     assert minimum(100, 40, 30, 10, first_step=True) == (2 * 100 - 2 * 40, 140)
     assert minimum(100, 40, 300, 10) == (0, 140)  # everything fits: only writes are needed
     assert minimum(100, 40, None, 10) == (0, 140)
+    # the cache beyond the weights saves one read per moment byte, not two
+    assert minimum(100, 40, 110, 10, first_step=False) == (2 * 100 + 40 - 2 * 100 - 20, 140)
+    # gradients held for clipping beyond the cache are written and read back once
+    assert minimum(100, 40, 30, 10, held_grads=100) == (160 + 60, 140 + 60)
     before = {"bytes_read_disk": 5, "bytes_written_disk": 7, "bytes_h2d": 0, "bytes_d2h": 1}
     after = {"bytes_read_disk": 15, "bytes_written_disk": 27, "bytes_h2d": 3, "bytes_d2h": 1}
     assert moved(before, after) == {"io_disk_read_bytes": 10, "io_disk_written_bytes": 20,
@@ -46,6 +50,7 @@ def test_log_history_carries_each_steps_io(dataset: Any, tmp_path: Any) -> None:
     assert [e["step"] for e in logs] == list(range(1, STEPS + 1))
     W = sum(info[n] for n in names)
     M = sum(info[p + n] for p in (EXP_AVG, EXP_AVG_SQ) for n in names)
+    G = wbytes  # clipping is on (max_grad_norm 1.0): every fp32 gradient is held until backward ends
     assert M < W  # q4 moments: the minimum must use their stored size, not fp32's
     for e in logs:
         for k in COUNTERS:
@@ -53,7 +58,7 @@ def test_log_history_carries_each_steps_io(dataset: Any, tmp_path: Any) -> None:
         # step 1 logs before its moments exist (they are written by its own updates)
         m = 0 if e["step"] == 1 else M
         assert (e["io_min_disk_read_bytes"], e["io_min_disk_written_bytes"]) == \
-            minimum(W, m, ram, vram, first_step=e["step"] == 1)
+            minimum(W, m, ram, vram, first_step=e["step"] == 1, held_grads=G)
         assert e["io_disk_vs_min"] == (e["io_disk_read_bytes"] + e["io_disk_written_bytes"]) / (
             e["io_min_disk_read_bytes"] + e["io_min_disk_written_bytes"])
     # the steps' bytes are the store's own counts, a part of what it moved in all
