@@ -1,6 +1,6 @@
 """Benchmark: mt.generate vs transformers in memory and accelerate's ``disk_offload``, same model.
 
-    python -m tools.bench_generate [--quick] [--rounds 3] [--new 16] [--big-batch 32] [--dir DIR]
+    python -m tools.bench_generate [--quick] [--rounds 3] [--new 16] [--big-batch 32] [--dir DIR] [--device cpu]
 
 A Llama-style model is built from a config (no downloads; about 23.4M parameters by default, as in
 issue 14's measurement). Greedy generation of ``--new`` tokens after a ``--prompt``-token prompt runs
@@ -43,7 +43,7 @@ def _config(a: argparse.Namespace) -> Any:
 
 def _timed(fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
     t0 = time.perf_counter()
-    out = fn()
+    out = fn().cpu()  # waits for the device's queued work too
     return time.perf_counter() - t0, out
 
 
@@ -69,7 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ram-fraction", type=float, default=1.0,
                    help="mt's RAM budget as a fraction of the weights (below 1: the rest is read from disk per token)")
     p.add_argument("--dir", default=None, help="where the stores go (default: a temporary folder)")
+    p.add_argument("--device", default="cpu", help="where every run computes (cpu, cuda): in-memory weights, "
+                   "accelerate's execution device and mt's window all live there")
     a = p.parse_args(argv)
+    dev = torch.device(a.device)
     if a.quick:
         a.new, a.big_batch = 4, 8
     if a.rounds < 1 or a.new < 1 or a.big_batch < 1:
@@ -80,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = _config(a)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).eval()
+        offloaded = AutoModelForCausalLM.from_config(config).eval()
+        offloaded.load_state_dict(model.state_dict())
         n = sum(q.numel() for q in model.parameters())
         weights = n * 4
         layer = sum(q.numel() * 4 for q in model.model.layers[0].parameters())
@@ -88,18 +93,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         ws = kv_workspace_bytes(config, a.big_batch, positions, a.kv_block_tokens)
         window, ram = 2 * layer + ws, int(weights * a.ram_fraction) + ws
         mt.init(offload_dir=os.path.join(folder, "store"), max_vram_gb=f"{window}B", max_ram_gb=f"{ram}B",
-                device="cpu")
+                device=str(dev))
         streamed = mt.load_model(os.path.join(folder, "hf"))
 
         from accelerate import disk_offload
 
-        offloaded = AutoModelForCausalLM.from_config(config).eval()
-        offloaded.load_state_dict(model.state_dict())
-        offloaded = disk_offload(offloaded, os.path.join(folder, "accelerate"), execution_device=torch.device("cpu"))
+        offloaded = disk_offload(offloaded, os.path.join(folder, "accelerate"), execution_device=dev)
+        model.to(dev)
 
         g = torch.Generator().manual_seed(1)
-        prompts = {1: torch.randint(2, 256, (1, a.prompt), generator=g),
-                   a.big_batch: torch.randint(2, 256, (a.big_batch, a.prompt), generator=g)}
+        prompts = {1: torch.randint(2, 256, (1, a.prompt), generator=g).to(dev),
+                   a.big_batch: torch.randint(2, 256, (a.big_batch, a.prompt), generator=g).to(dev)}
         kw: dict[str, Any] = dict(max_new_tokens=a.new, do_sample=False, eos_token_id=None)
 
         def hf(m: Any, b: int) -> Callable[[], torch.Tensor]:
@@ -123,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mt.generate budgets: device window {window / 2**20:.2f} MiB (2 layers of {layer / 2**20:.2f} MiB "
               f"+ KV workspace {ws / 2**20:.2f} MiB), RAM {ram / 2**20:.1f} MiB ({a.ram_fraction:g} x the weights "
               "+ the KV workspace; accelerate's memory maps use the page cache, unbounded)")
-        print(f"torch threads {torch.get_num_threads()}, cpu count {os.cpu_count()}, "
+        print(f"device {dev}, torch threads {torch.get_num_threads()}, cpu count {os.cpu_count()}, "
               f"load average (1 min) {os.getloadavg()[0]:.2f}")
         outs: dict[int, torch.Tensor] = {}
         times: list[list[float]] = [[] for _ in runs]
