@@ -56,11 +56,11 @@ echo "pytest rc=$? after $(( $(date +%s) - start )) s" >> "$OUT/cuda_tests.txt"
 # The rest of the suite with CUDA present: every store opened without device= lands on the GPU,
 # so the window, staging and drain paths run under the same assertions as on the CPU. In parallel
 # (xdist) where the machine has it; tests needing a package the machine lacks fail at import.
-if [ "$DEVICE" = cuda ] || [ -n "${SUITE:-}" ]; then
+if { [ "$DEVICE" = cuda ] || [ -n "${SUITE:-}" ]; } && [ "$SUITE_TIMEOUT_S" -gt 0 ]; then
   opts=""
   "$PY" -c "import xdist" 2>/dev/null && opts="-n 12"
   "$PY" -c "import pytest_timeout" 2>/dev/null && opts="$opts --timeout 100"
-  timeout "$SUITE_TIMEOUT_S" "$PY" -m pytest -q -p no:cacheprovider -W ignore::pytest.PytestConfigWarning $opts \
+  timeout "$SUITE_TIMEOUT_S" "$PY" -m pytest -p no:cacheprovider -W ignore::pytest.PytestConfigWarning $opts \
     -v --tb=short --maxfail 40 tests/tierstore tests/trainer > "$OUT/suite_cuda.txt" 2>&1
   echo "pytest rc=$? after $(( $(date +%s) - start )) s" >> "$OUT/suite_cuda.txt"
 fi

@@ -105,8 +105,19 @@ def test_window_on_cpu_stages_nothing() -> None:
     assert torch.equal(win.to_host(x), x)
 
 
+def test_window_events_are_keyed_by_tensor_identity() -> None:
+    # tensors compare elementwise: a WeakKeyDictionary lookup of a CUDA window tensor raised
+    # "Boolean value of Tensor ... is ambiguous" (seen on the first GPU run)
+    win = DeviceWindow(torch.device("cpu"), None)
+    a, b = torch.zeros(4), torch.zeros(4)
+    win._events[a] = "event-a"
+    assert win._events.get(a) == "event-a" and win._events.get(b) is None
+    del a
+    assert len(win._events) == 0  # the entry goes with its tensor
+
+
 def test_cpu_store_reserves_no_staging(tmp_path) -> None:
-    with tierstore.open(tmp_path, ram_budget="8MiB") as s:
+    with tierstore.open(tmp_path, ram_budget="8MiB", device="cpu") as s:
         assert s.stats()["host_bytes"] == 0
         s.put("x", torch.randn(64, 64))
         torch.testing.assert_close(s.get("x", device="cpu"), s.get("x"))
@@ -124,7 +135,8 @@ def test_try_acquire_never_blocks() -> None:
 @pytest.mark.parametrize("codec", ["raw", "zstd", "q8"])
 def test_staged_device_reads_equal_plain_reads(tmp_path, codec) -> None:
     # The CUDA read path (RAM tier -> staging buffers -> window) on a CPU window with a pool.
-    with tierstore.open(tmp_path, ram_budget="16MiB", device_budget="4MiB", chunk_bytes="64KiB") as s:
+    with tierstore.open(tmp_path, ram_budget="16MiB", device_budget="4MiB", chunk_bytes="64KiB",
+                        device="cpu") as s:
         a = s.async_store
         a._window.attach_staging(a._host, on_cpu=True)
         assert a._window.staging is not None and a._window.staging.buffer_bytes >= 1 << 20
@@ -147,7 +159,8 @@ def test_staged_device_reads_equal_plain_reads(tmp_path, codec) -> None:
 
 
 def test_store_staging_pool_is_counted_and_given_back(tmp_path) -> None:
-    with tierstore.open(tmp_path, ram_budget="1MiB") as s:
+    # on the CPU: a CUDA store's own upload pool would already hold the budget
+    with tierstore.open(tmp_path, ram_budget="1MiB", device="cpu") as s:
         pool = s.staging_pool(128 * 1024, 16)  # asks for 2 MiB: the budget holds 8 buffers
         assert pool.count == 8 and s.stats()["host_bytes"] == pool.nbytes == 1 << 20
         assert s.async_store._host.try_alloc(4096) is None  # the pool holds the whole budget

@@ -114,7 +114,7 @@ def test_training_with_a_threaded_drain_matches_plain_pytorch(dataset: Any, tmp_
 def test_close_soon_frees_the_budgeted_pool_on_the_drain_thread(tmp_path: Any) -> None:
     import tierstore
 
-    with tierstore.open(tmp_path, ram_budget="1MiB") as s:
+    with tierstore.open(tmp_path, ram_budget="1MiB", device="cpu") as s:
         drain = GradDrain(torch.device("cpu"), pool=s.staging_pool(64 * 1024, 3), threaded=True)
         assert s.stats()["host_bytes"] == 3 * 64 * 1024
         got: list[int] = []

@@ -21,6 +21,7 @@ import weakref
 from collections import OrderedDict
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from tierstore.errors import BudgetError
 from tierstore.tiers.staging import StagingPool
@@ -38,7 +39,8 @@ class DeviceWindow:
         self._lock = threading.Lock()
         self._strong: OrderedDict[int, torch.Tensor] = OrderedDict()  # generation -> tensor
         self._weak: dict[int, weakref.ref[torch.Tensor]] = {}
-        self._events: weakref.WeakKeyDictionary[torch.Tensor, object] = weakref.WeakKeyDictionary()
+        # keyed by identity: a WeakKeyDictionary compares tensor keys with ==, which is elementwise
+        self._events: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.is_cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if self.is_cuda else None
         self._d2h_stream = torch.cuda.Stream(device) if self.is_cuda else None
