@@ -33,6 +33,7 @@ The pieces run with the window tensors swapped into the skeleton's parameters in
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -358,6 +359,21 @@ def _buffers_to(model: nn.Module, device: torch.device) -> None:
                 mod._buffers[name] = b.to(device)
 
 
+def cache_kwarg(body: nn.Module) -> str:
+    """The name the body's forward takes its KV cache by: ``cache`` (transformers 5.2x) or ``past_key_values``.
+
+    An unknown keyword is swallowed by the model's ``**kwargs``: passed by the wrong name, the
+    cache is silently unused and every decode step attends to its own position only.
+    """
+    params = inspect.signature(body.forward).parameters
+    if "cache" in params:
+        return "cache"
+    if "past_key_values" in params:
+        return "past_key_values"
+    raise ValueError(f"{type(body).__name__}.forward takes neither cache= nor past_key_values=: "
+                     "it has no KV cache to stream")
+
+
 class Generator:
     """One model's streaming generation: the engine, the plan of reads, and the per-call KV cache."""
 
@@ -382,6 +398,7 @@ class Generator:
         self.n_layers = len(self.parts.layers)
         self.n_groups = self.n_layers + 2
         self.binds = self._bindings()
+        self.cache_kwarg = cache_kwarg(self.parts.body)
 
     def _bindings(self) -> list[list[tuple[nn.Module, str, str]]]:
         """Per piece: (module, attribute, store key) of each weight it runs with."""
@@ -441,8 +458,8 @@ class Generator:
         """The body's forward up to its first layer (embeddings, masks, rotary): its arguments, captured."""
         def run() -> None:
             with self._bound(0, w):
-                self.parts.body(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True,
-                                position_ids=position_ids)
+                self.parts.body(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
+                                position_ids=position_ids, **{self.cache_kwarg: cache})
         return capture_first_layer(self.parts.body, self.parts.layers, run)
 
     def step(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,

@@ -213,3 +213,22 @@ def _encode_bytes(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     from tools.generate_cmd import _encode
 
     return _encode(prompts, None, 256)
+
+
+def test_the_cache_goes_by_the_name_the_model_takes() -> None:
+    # transformers 5.2x calls it cache=, earlier releases past_key_values=; by the wrong name the
+    # model's **kwargs swallowed it and every decode step attended to itself only (seen with 5.17)
+    from trainer.generate import cache_kwarg
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids: Any = None, cache: Any = None, **kwargs: Any) -> None: ...
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids: Any = None, past_key_values: Any = None, **kwargs: Any) -> None: ...
+
+    class Neither(torch.nn.Module):
+        def forward(self, input_ids: Any = None, **kwargs: Any) -> None: ...
+
+    assert cache_kwarg(New()) == "cache" and cache_kwarg(Old()) == "past_key_values"
+    with pytest.raises(ValueError, match="neither cache= nor past_key_values="):
+        cache_kwarg(Neither())
