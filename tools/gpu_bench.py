@@ -296,7 +296,8 @@ def _stream(device: torch.device, name: str, batch: int, seq: int, steps: int, v
         step_s = [float(e["step_s"]) for e in timed]
         stall = sum(float(e.get("stall_s", 0.0)) for e in timed)
         out.update(_rates(step_s, batch * seq, fpt), stall_share=stall / sum(step_s),
-                   optimizer_s=[e.get("optimizer_s") for e in timed], **_memory(device))
+                   optimizer_s=[e.get("optimizer_s") for e in timed],
+                   optimizer_math_s=[e.get("optimizer_math_s") for e in timed], **_memory(device))
         out["rss_bytes_per_param"] = peak_rss_bytes() / params
         report(out)
 

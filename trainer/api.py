@@ -486,7 +486,7 @@ class Trainer:
                     epoch, epoch_first = e, step
                     self.control = h.on_epoch_begin(args, st, self.control)
                 t0 = time.perf_counter()
-                before, upd0 = store.stats(), opt.busy_s  # one snapshot: stall and I/O counters
+                before, upd0, math0 = store.stats(), opt.busy_s, opt.update_s  # one snapshot: stall and I/O counters
                 lr = learning_rate_at(cfg, step, total)
                 hyper = AdamWHyper(lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay)
                 # the loss is the token mean over the global step: every rank divides by the same count
@@ -530,7 +530,9 @@ class Trainer:
                 stall_s = float(after.get("stall_s", 0.0)) - float(before.get("stall_s", 0.0))
                 run.last = {"learning_rate": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / step_s if step_s > 0
                             else math.inf, "stall_s": stall_s,
-                            "step_s": step_s, "optimizer_s": opt.busy_s - upd0, **account.end(step + 1, before, after)}
+                            "step_s": step_s, "optimizer_s": opt.busy_s - upd0,
+                            # of which AdamW's arithmetic; the rest is the store's reads and writes
+                            "optimizer_math_s": opt.update_s - math0, **account.end(step + 1, before, after)}
                 self._trace_step(t0)
                 self._maybe_log_save_evaluate(run, ignore_keys)
                 empty_cache = getattr(args, "torch_empty_cache_steps", None)
