@@ -4,9 +4,9 @@ A row gather of a sharded raw table (``put(chunk_rows=)``) through the sync faca
 to the store's loop thread (about 0.1-0.5 ms) and then loop in Python over the inner chunks
 (15-30 us each: a RAM-tier lookup or a ``preadv``, a crc32c, a copy). When the rows' pages are
 in the page cache, ``MappedGather`` serves it without either: every shard file of a generation
-is mapped into one reserved address range (shard ``s`` at ``s * slot``), so that one
-``torch.index_select`` over byte offsets copies all the rows, in the caller's order, and each
-inner chunk's crc32c is checked against the catalog (one call per inner chunk: the bytes come
+is mapped into one reserved address range (shard ``s`` at ``s * slot``), 2 MiB-aligned so that the page
+cache's large folios can be mapped whole, and one numpy fancy index over byte offsets copies all
+the rows, in the caller's order; each inner chunk's crc32c is checked against the catalog (one call per inner chunk: the bytes come
 from the page cache, i.e. from the files, not from the RAM tier, whose bytes were checked when
 they were read). Anything else (pages not in the page cache, a generation not yet committed, a
 codec that is not ``raw``-laid-out, a crc mismatch, a missing or short file, injected faults)
@@ -18,7 +18,7 @@ Threads and ownership:
   reads them only through ``AsyncStore.mapped_get``, with one ``dict.get`` and one ``in`` (atomic
   under the GIL, never an iteration); it never touches the RAM tier, the pin table, the
   predictor or the store's counters;
-- *any thread* may call ``MappedGather.gather``; the table of mapped generations and each
+- *any thread* may call ``MappedGather.get``; the table of mapped generations and each
   mapping's count of users are guarded by ``_lock``; the copy and the crc32c run outside the
   lock, on a mapping whose user count the gather holds;
 - the loop thread calls ``forget(gen)`` before it deletes a generation's folder: the mapping is
@@ -44,7 +44,10 @@ reads a page (``MADV_RANDOM``) or a readahead window.
 The one risk ``preadv`` does not have: a committed shard file truncated by another program
 while it is mapped raises SIGBUS on the next touch of the lost pages instead of
 ``CorruptData``. The store itself never truncates a committed file; a file already short when
-it is mapped is refused (the loop path then names the chunk).
+it is mapped is refused (the loop path then names the chunk). Costs: a mapped generation
+holds its size in address space (reserved with ``MAP_NORESERVE``) and two memory maps per
+shard file (``vm.max_map_count``, 65,530 by default, bounds them; a failed map declines the
+generation to the loop) until it is deleted or the store closes.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import platform
 import sys
 import threading
 from typing import Any
@@ -76,7 +80,8 @@ _MADV_RANDOM = 1
 
 
 def _libc() -> Any:
-    if not sys.platform.startswith("linux"):
+    # the flag values above are Linux's on x86-64 and arm64 (other architectures differ)
+    if not sys.platform.startswith("linux") or platform.machine() not in ("x86_64", "aarch64"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -216,6 +221,10 @@ class MappedGather:
         self._lock = threading.Lock()
         #: generation -> its mapping, or None when it cannot be mapped (a missing or short file)
         self._regions: dict[int, _Region | None] = {}
+        #: generations being mapped outside the lock (how many threads map each), and those of
+        #: them forgotten meanwhile: such a mapping serves its gather and is never kept
+        self._mapping: dict[int, int] = {}
+        self._forgotten: set[int] = set()
         self.enabled = _LIBC is not None
         #: gathers served here, and those handed back to the loop (not resident, ...)
         self.served = 0
@@ -224,6 +233,8 @@ class MappedGather:
     def forget(self, gen: int) -> None:
         """``gen``'s folder is about to be deleted: unmap it now, or when its last user is done."""
         with self._lock:
+            if gen in self._mapping:
+                self._forgotten.add(gen)
             region = self._regions.pop(gen, None)
             if region is not None:
                 region.retired = True
@@ -248,16 +259,31 @@ class MappedGather:
                 if region is not None:
                     region.users += 1
                 return region
+            self._mapping[gen] = self._mapping.get(gen, 0) + 1
         try:
             paths = [self._disk.shard_path(rec.key, gen, rec.grid, s)
                      for s in range(-(-rec.grid.n_chunks // rec.shard))]
             made: _Region | None = _Region(rec, paths) if servable(rec) else None
         except FileNotFoundError:
-            return None  # superseded and deleted meanwhile: the loop reads the head anew
+            made = None  # superseded and deleted meanwhile: the loop reads the head anew
+            gone = True
         except OSError:
             made = None  # short file: remembered, the loop path reports it every time
+            gone = False
+        except BaseException:
+            with self._lock:
+                self._mapped_one(gen)
+            raise
+        else:
+            gone = False
         with self._lock:
-            if not self.enabled:
+            forgotten = self._mapped_one(gen)
+            if gone:
+                region, extra = None, None
+            elif forgotten and made is not None:  # deleted while we mapped it: this gather only
+                made.retired = True
+                region, extra = made, None
+            elif not self.enabled or forgotten:
                 region, extra = None, made
             elif gen in self._regions:  # another thread mapped it meanwhile
                 region, extra = self._regions[gen], made
@@ -269,6 +295,15 @@ class MappedGather:
         if extra is not None:
             extra.unmap()
         return region
+
+    def _mapped_one(self, gen: int) -> bool:
+        """A thread is done mapping ``gen`` (under ``_lock``); whether it was forgotten meanwhile."""
+        self._mapping[gen] -= 1
+        forgotten = gen in self._forgotten
+        if not self._mapping[gen]:
+            del self._mapping[gen]
+            self._forgotten.discard(gen)
+        return forgotten
 
     def _release(self, region: _Region, served: bool) -> None:
         with self._lock:

@@ -222,3 +222,28 @@ def test_gathers_racing_with_puts_never_mix_generations(tmp_path) -> None:
         assert len(s.async_store._mapped._regions) <= 2  # the deleted generations were forgotten
     finally:
         s.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_a_generation_forgotten_while_it_is_mapped_is_not_kept(tmp_path, monkeypatch) -> None:
+    """The loop forgets (then deletes) a generation while a caller thread maps it: that
+    mapping serves its one gather and is unmapped, never kept for the deleted files."""
+    from tierstore import mapped
+
+    t = _table()
+    with tierstore.open(tmp_path / "s", "w", ram_budget=BUDGET) as s:
+        s.put("emb", t, chunk_rows=7, shard_rows=35)
+        s.commit()
+        folder = s.zarr_path("emb")
+        mg = s.async_store._mapped
+        made = mapped._Region.__init__
+
+        def forgotten_meanwhile(self, rec, paths):  # type: ignore[no-untyped-def]
+            made(self, rec, paths)
+            mg.forget(rec.generation)
+
+        monkeypatch.setattr(mapped._Region, "__init__", forgotten_meanwhile)
+        assert torch.equal(s.get("emb", index=torch.tensor([3, 400])), t[[3, 400]])
+        assert _served(s) == 1
+        assert not mg._regions and not mg._mapping and not mg._forgotten
+        assert not _mapped_files(folder)
