@@ -2,6 +2,7 @@
 
     python -m tools.bench_gather [--table-gib 2] [--ram-mib 256] [--cols 1024] [--chunk-rows 1]
                                  [--rows 1,32,1024] [--warm-repeats 30] [--cold-repeats 7]
+                                 [--reread]
 
 An fp32 table is put with ``chunk_rows=`` (sharded: one crc32c per inner chunk, checked on
 every read) into a store with the given RAM budget, and the same bytes are written to a flat
@@ -97,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cold-repeats", type=int, default=7)
     ap.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reread", action="store_true",
+                    help="warm: evict both files and read them back before the warm phase (the "
+                         "page-cache state reads leave, instead of what the writes left)")
     args = ap.parse_args(argv)
     n_rows = int(args.table_gib * 2**30) // (args.cols * 4)
     sizes = [int(x) for x in args.rows.split(",")]
@@ -112,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[tuple[str, int], tuple[float, float]] = {}
 
         # warm: page cache full, one store open for all calls
+        if args.reread:
+            evict(files)
         read_through(files)
         s = tierstore.open(store_path, "r", ram_budget=ram)
         mm = np.memmap(flat_path, np.float32, "r", shape=(n_rows, args.cols))
