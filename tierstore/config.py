@@ -70,6 +70,9 @@ class StoreConfig:
     keep_last: int = 2
     #: keys of the last step's access order kept by the predictor to prefetch after each read
     prefetch_ahead: int = 4
+    #: serve row gathers of committed raw sharded tables whose pages are in the page cache on
+    #: the calling thread, from read-only mmaps (``tierstore.mapped``); False: always via the loop
+    mapped_gathers: bool = True
 
     def __post_init__(self) -> None:
         self.ram_budget = parse_size(self.ram_budget, "ram_budget")

@@ -51,6 +51,7 @@ from tierstore.faults import FaultPlan
 from tierstore.keys import validate_key
 from tierstore.layout import ChunkGrid, zarr_metadata
 from tierstore.leases import LEASE_DIR, PinTable, ReaderLease, leased_generations
+from tierstore.mapped import MappedGather
 from tierstore.prefetch import AccessPredictor
 from tierstore.reads import ReadPath
 from tierstore.records import Commit, GenRecord, TensorInfo
@@ -109,6 +110,9 @@ class AsyncStore(ReadPath):
         self._catalog: Catalog | None = None
         self._lock_fd: int | None = None
         self._disk = DiskTier(self.path)
+        #: caller-thread gathers from the page cache; see ``mapped_get`` for what it may read
+        self._mapped = MappedGather(self._disk)
+        self._mapped.enabled = self._mapped.enabled and config.mapped_gathers
         pin = torch.cuda.is_available() and config.device is not None and config.device.type == "cuda"
         self._host = HostTier(config.ram_budget, pin=pin)
         self._host.explain_stuck = self._explain_stuck
@@ -329,6 +333,7 @@ class AsyncStore(ReadPath):
             await _settle([*background, *self._reads.values()])
             self._closed = True
             self._window.clear()
+            self._mapped.close()
             self._release_files()
             self._io.shutdown(wait=True)
             self._cpu.shutdown(wait=True)
@@ -610,6 +615,7 @@ class AsyncStore(ReadPath):
             self._host.drop_generation(g, n_chunks)
             self._window.forget(g)
             self._shard_maps.pop(g, None)
+            self._mapped.forget(g)
             await self._run_io(self._disk.delete_generation, key, g)
 
     def _on_unpinned(self, gen: int) -> None:
@@ -618,6 +624,24 @@ class AsyncStore(ReadPath):
             # while closing, the io pool is going away: a deferred generation stays an orphan
             # for the next writer open to delete (or keep, while a lease names it)
             self._spawn_retiring(self._collect({}))
+
+    def mapped_get(self, key: str, index: Any) -> torch.Tensor | None:
+        """A row gather served from the page cache on the calling thread, or None (use ``get``).
+
+        Callable from any thread (the sync facade calls it before hopping to the loop). It reads
+        the loop-owned head map and committed set with one ``dict.get`` and one ``in`` (atomic
+        under the GIL) and touches nothing else the loop owns: no RAM tier, no pins, no
+        predictor (these reads are not in the access trace). Only a generation a commit named
+        is read, and it is read whole (``tierstore.mapped`` says why that is safe); a put not
+        yet committed makes the head a generation this path refuses, so a gather after a put
+        returns the put's values through the loop.
+        """
+        if self._closed or self._closing or not self._mapped.enabled or self._disk.faults is not None:
+            return None
+        rec = self._head.get(key)
+        if rec is None or not rec.shard or rec.generation not in self._committed:
+            return None
+        return self._mapped.get(rec, index)
 
     def mark_step(self) -> None:
         """Close a step of the access trace; the predictor learns from it."""
@@ -687,6 +711,7 @@ class AsyncStore(ReadPath):
             "commits": c.commits, "prefetched_chunks": c.prefetched_chunks,
             "prefetch_errors": c.prefetch_errors, "dirty_chunks": self._host.dirty_count(),
             "host_fresh_buffers": self._host.fresh_buffers,
+            "mapped_gathers": self._mapped.served, "mapped_declined": self._mapped.declined,
         }
 
     async def verify(self, keys: Sequence[str] | None = None) -> list[CorruptData]:

@@ -127,7 +127,13 @@ class Store:
         """The newest value of ``key`` on the host, or in the device window with ``device=``.
 
         A host tensor is the caller's own copy; a window tensor is shared: treat it as read-only.
+        A row gather of a committed sharded table whose pages are in the page cache is served on
+        this thread without a hop to the loop (``AsyncStore.mapped_get``).
         """
+        if index is not None and device is None and self._loop is not None:
+            got = self._a.mapped_get(key, index)
+            if got is not None:
+                return got
         t = self._loop.run(self._a.get(key, device=device, index=index))
         self._a._window.wait_ready(t)
         return t

@@ -132,7 +132,8 @@ def test_ram_tier_keeps_hot_rows_of_a_table_larger_than_the_budget(tmp_path) -> 
         s.put("emb", t, chunk_rows=CHUNK_ROWS, shard_rows=SHARD_ROWS)
         s.commit()
     hot = torch.tensor([3, 100, 101, 400, 598])  # 4 inner chunks: well under the budget
-    with tierstore.open(tmp_path / "s", "r", ram_budget=BUDGET) as s:
+    # the loop's path (the page cache would serve these rows on the caller's thread instead)
+    with tierstore.open(tmp_path / "s", "r", ram_budget=BUDGET, mapped_gathers=False) as s:
         assert torch.equal(s.get("emb", index=hot), t[hot])
         first = s.stats()
         assert first["reads_disk"] == 4 and first["host_bytes"] == 4 * INNER
@@ -269,3 +270,23 @@ def test_open_files_never_closes_a_descriptor_in_use(tmp_path) -> None:
         assert os.pread(fd0, 8, 0) == bytes([0]) * 8
     assert files._fds == {} and files._retired == {}  # closed once let go
     assert _open_fds_under(str(tmp_path)) == []
+
+
+def test_loop_gathers_of_one_row_inner_chunks_equal_torch_indexing(tmp_path) -> None:
+    """The loop's gather of one-row inner chunks copies RAM-tier hits with one torch call:
+    all hits, hits mixed with misses, dirty (uncommitted) rows and repeated rows."""
+    t = _table()
+    with tierstore.open(tmp_path / "s", "w", ram_budget=BUDGET, mapped_gathers=False) as s:
+        s.put("emb", t, chunk_rows=1, shard_rows=40)
+        _check_gathers(s, t)  # dirty rows in RAM beside rows written back and evicted
+        s.commit()
+        for _ in range(2):
+            _check_gathers(s, t)  # the table is larger than the budget: hits mixed with misses
+        hot = torch.tensor([5, 599, 7, 5, 300])
+        assert torch.equal(s.get("emb", index=hot), t[hot])
+        before = s.stats()
+        assert torch.equal(s.get("emb", index=hot), t[hot])  # all hits
+        after = s.stats()
+        assert after["hits_host"] == before["hits_host"] + 4 and after["reads_disk"] == before["reads_disk"]
+        s.put("emb", t * 2, chunk_rows=1, shard_rows=40)
+        assert torch.equal(s.get("emb", index=hot), (t * 2)[hot])  # read your (dirty) writes
