@@ -225,7 +225,8 @@ class MappedGather:
         #: them forgotten meanwhile: such a mapping serves its gather and is never kept
         self._mapping: dict[int, int] = {}
         self._forgotten: set[int] = set()
-        self.enabled = _LIBC is not None
+        # the head map and committed set are read without the loop's lock: needs the GIL
+        self.enabled = _LIBC is not None and getattr(sys, "_is_gil_enabled", lambda: True)()
         #: gathers served here, and those handed back to the loop (not resident, ...)
         self.served = 0
         self.declined = 0
