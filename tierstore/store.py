@@ -381,6 +381,10 @@ class AsyncStore(ReadPath):
             return f"{len(failed)} chunk writes failed; last error: {failed[-1]}"
         if self._host.dirty_count():
             return f"{self._host.dirty_count()} chunks wait to be written"
+        lent = self._host.lent_bytes()
+        if lent:
+            return (f"{lent} B of it are lent to tensors still referenced (get(..., copy=False)); "
+                    "drop them before asking for more")
         return None
 
     # ---------------------------------------------------------------- put
@@ -686,7 +690,8 @@ class AsyncStore(ReadPath):
             "prediction_accuracy": self._predictor.accuracy, "puts": c.puts, "gets": c.gets,
             "commits": c.commits, "prefetched_chunks": c.prefetched_chunks,
             "prefetch_errors": c.prefetch_errors, "dirty_chunks": self._host.dirty_count(),
-            "host_fresh_buffers": self._host.fresh_buffers,
+            "host_fresh_buffers": self._host.fresh_buffers, "lent": c.lent, "bytes_lent": c.bytes_lent,
+            "host_lent_bytes": self._host.lent_bytes(),
         }
 
     async def verify(self, keys: Sequence[str] | None = None) -> list[CorruptData]:
