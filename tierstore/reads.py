@@ -115,8 +115,16 @@ class ReadPath:
         ``lend`` and the return: a cancelled call lends nothing, or drops what it was lent, which
         the RAM tier then sees as given back.
         """
-        if not (rec.codec_obj.raw_layout and not rec.shard and rec.grid.n_chunks == 1 and rec.nbytes
+        codec = rec.codec_obj  # built from its spec at each use: once here (a loan costs ~15 us)
+        if not (codec.raw_layout and not rec.shard and rec.grid.n_chunks == 1
                 and self._window.device.type == "cpu" and not self._host.pin):
+            return None
+        dtype = codec.decoded_dtype(rec.torch_dtype)
+        shape = rec.shape
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        if not nbytes:
             return None
         hit = self._window.lookup(rec.generation)
         if hit is not None:
@@ -131,8 +139,8 @@ class ReadPath:
         if raw is None:
             return None  # not cached (the RAM tier could not take it): the caller copies
         self.stats_counters.lent += 1
-        self.stats_counters.bytes_lent += rec.nbytes
-        return raw[: rec.nbytes].view(rec.decoded_dtype).view(rec.shape)
+        self.stats_counters.bytes_lent += nbytes
+        return raw[:nbytes].view(dtype).view(shape)
 
     def _target_device(self, device: str | torch.device | None) -> torch.device | None:
         if device is None:

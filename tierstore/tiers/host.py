@@ -51,9 +51,23 @@ class HostEntry:
 
     def borrowed(self) -> bool:
         """Whether a tensor lent from this buffer is still alive somewhere (any thread)."""
-        # the references: this entry's field and getrefcount's argument; each lent tensor's
-        # storage (shared by its views) holds one more
-        return self.root is not None and sys.getrefcount(self.root) > 2
+        # each lent tensor's storage (shared by its views) holds one reference to ``root``
+        return self.root is not None and self._root_refs() > _UNLENT_ROOT_REFS
+
+    def _root_refs(self) -> int:
+        return sys.getrefcount(self.root)
+
+
+def _unlent_root_refs() -> int:
+    """``_root_refs`` of a root nobody borrowed: 2 on CPython 3.11 (the field, getrefcount's
+    argument), measured rather than assumed since newer interpreters count stack references
+    differently."""
+    probe = HostEntry(torch.empty(1, dtype=torch.uint8), dirty=False)
+    probe.root = probe.data.numpy()
+    return probe._root_refs()
+
+
+_UNLENT_ROOT_REFS = _unlent_root_refs()
 
 
 class HostTier:
