@@ -381,10 +381,6 @@ class AsyncStore(ReadPath):
             return f"{len(failed)} chunk writes failed; last error: {failed[-1]}"
         if self._host.dirty_count():
             return f"{self._host.dirty_count()} chunks wait to be written"
-        lent = self._host.lent_bytes()
-        if lent:
-            return (f"{lent} B of it are lent to tensors still referenced (get(..., copy=False)); "
-                    "drop them before asking for more")
         return None
 
     # ---------------------------------------------------------------- put

@@ -18,7 +18,9 @@ caller as it is, read-only by contract. Who owns what:
 - a borrowed chunk is not evicted (that frees nothing); a dropped one (its generation superseded
   by a put, which writes new buffers: copy-on-write) waits in ``_held``, counted, and becomes a
   spare (or is given back) once its borrowers are gone. A spare is never borrowed, so no
-  allocation can hand out memory a borrower still reads.
+  allocation can hand out memory a borrower still reads;
+- a wait for room that could not succeed even with everything but the loans freed raises
+  ``BudgetError`` at once: only the borrowers can give loans back, and the waiter may be one.
 """
 
 from __future__ import annotations
@@ -142,6 +144,13 @@ class HostTier:
         if not self.fits(nbytes):
             raise BudgetError(f"a chunk of {nbytes} B is larger than the RAM budget ({self.budget} B)")
         while (got := attempt(nbytes)) is None:
+            lent = self.lent_bytes() if self.budget is not None else 0
+            if lent and self.budget is not None and self.budget - lent < nbytes:
+                # only their borrowers can give them back, and this wait may be one of them
+                raise BudgetError(
+                    f"RAM budget full: {lent} of its {self.budget} B are lent to tensors still "
+                    f"referenced (get(..., copy=False)), {nbytes} B more do not fit beside them; "
+                    "drop the lent tensors you no longer need")
             reason = self.explain_stuck()
             if reason is not None:
                 raise BudgetError(f"RAM budget full and nothing can be freed: {reason}")
