@@ -68,18 +68,35 @@ class ReadPath:
         async def _run_io(self, fn: Callable[..., T], *args: Any) -> T: ...
         async def _run_cpu(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T: ...
 
-    async def get(self, key: str, device: str | torch.device | None = None, index: Index = None) -> torch.Tensor:
-        """The newest value of ``key``: on the host, or in the device window with ``device=``."""
+    async def get(self, key: str, device: str | torch.device | None = None, index: Index = None,
+                  copy: bool = True) -> torch.Tensor:
+        """The newest value of ``key``: on the host, or in the device window with ``device=``.
+
+        ``copy=False`` with a CPU window (``device="cpu"`` on a store opened with the CPU as its
+        device): lend the RAM tier's own buffer instead of copying it into the window, for a
+        whole tensor of a raw codec held in one chunk (read into the RAM tier first if it is
+        not there). The tensor is read-only by contract and stays valid, unchanged, for as long
+        as the caller holds it: a later put of the key writes new buffers, and the tier neither
+        evicts nor reuses the buffer meanwhile. Its bytes stay counted in the RAM budget (not
+        the window's). Anything else (a compressed codec, several chunks, a sharded tensor, an
+        ``index``, a CUDA window, a host read) is read the usual way, a copy; ``stats()["lent"]``
+        counts the tensors lent.
+        """
         rec = self._record(key)
         target = self._target_device(device)
         self.stats_counters.gets += 1
         upcoming = self._predictor.record(key)
+        lend = not copy and target is not None and target.type == "cpu" and index is None
         if upcoming:
-            self._prefetch_keys(upcoming, "device" if target is not None else "host")
+            # a borrower reads from the RAM tier: warm that, not the window
+            self._prefetch_keys(upcoming, "host" if lend or target is None else "device")
         t0 = time.perf_counter()
         self._pins.pin(rec.generation)
         try:
-            if target is None:
+            lent = await self._lend(rec) if lend else None
+            if lent is not None:
+                out = lent
+            elif target is None:
                 out = await self._read(rec, index)
             elif index is None:
                 out = await self._load_to_device(rec, wait=True)
@@ -90,6 +107,40 @@ class ReadPath:
             self._pins.unpin(rec.generation)
         self.tracer.span("get", "store", t0, time.perf_counter(), key=key)
         return out
+
+    async def _lend(self, rec: GenRecord) -> torch.Tensor | None:
+        """The tensor as a loan of its RAM-tier buffer (``get(copy=False)``); None where it cannot be lent.
+
+        A copy already in the window is returned instead (no copy either). No await between the
+        ``lend`` and the return: a cancelled call lends nothing, or drops what it was lent, which
+        the RAM tier then sees as given back.
+        """
+        codec = rec.codec_obj  # built from its spec at each use: once here (a loan costs ~15 us)
+        if not (codec.raw_layout and not rec.shard and rec.grid.n_chunks == 1
+                and self._window.device.type == "cpu" and not self._host.pin):
+            return None
+        dtype = codec.decoded_dtype(rec.torch_dtype)
+        shape = rec.shape
+        nbytes = dtype.itemsize
+        for d in shape:
+            nbytes *= d
+        if not nbytes:
+            return None
+        hit = self._window.lookup(rec.generation)
+        if hit is not None:
+            self.stats_counters.hits_device += 1
+            return hit
+        cid = (rec.generation, 0)
+        if self._host.holds(cid):
+            self.stats_counters.hits_host += 1
+        elif self._host.fits(rec.chunks[0][0]):
+            await self._load_chunk(rec, 0, cache="yes")  # cached unless the RAM tier cannot
+        raw = self._host.lend(cid)
+        if raw is None:
+            return None  # not cached (the RAM tier could not take it): the caller copies
+        self.stats_counters.lent += 1
+        self.stats_counters.bytes_lent += nbytes
+        return raw[:nbytes].view(dtype).view(shape)
 
     def _target_device(self, device: str | torch.device | None) -> torch.device | None:
         if device is None:

@@ -28,6 +28,8 @@ class Counters:
     commits: int = 0
     prefetched_chunks: int = 0
     prefetch_errors: int = 0
+    lent: int = 0  # tensors lent from the RAM tier (get(copy=False)) instead of copied
+    bytes_lent: int = 0
 
 
 class Tracer:

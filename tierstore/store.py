@@ -4,7 +4,10 @@ Threads and ownership:
 - the event loop thread owns the head map, the RAM tier, the device window's LRU and every
   asyncio primitive; all methods of this class run there;
 - ``tierstore-io`` threads run blocking disk calls (pread/pwrite/fsync, the LMDB commit);
-- ``tierstore-cpu`` threads run codec work and large copies (torch releases the GIL).
+- ``tierstore-cpu`` threads run codec work and large copies (torch releases the GIL);
+- tensors lent by ``get(..., copy=False)`` (a CPU window: the RAM tier's own buffers) belong to
+  the caller's threads, which may drop them anywhere; the RAM tier only reads how many are alive,
+  on the loop thread, and a count can rise only there (``HostTier.lend``).
 A put is *copied* when it returns (the caller may reuse its tensor) and *committed* when a later
 ``commit`` returns.
 
@@ -710,7 +713,8 @@ class AsyncStore(ReadPath):
             "prediction_accuracy": self._predictor.accuracy, "puts": c.puts, "gets": c.gets,
             "commits": c.commits, "prefetched_chunks": c.prefetched_chunks,
             "prefetch_errors": c.prefetch_errors, "dirty_chunks": self._host.dirty_count(),
-            "host_fresh_buffers": self._host.fresh_buffers,
+            "host_fresh_buffers": self._host.fresh_buffers, "lent": c.lent, "bytes_lent": c.bytes_lent,
+            "host_lent_bytes": self._host.lent_bytes(),
             "mapped_gathers": self._mapped.served, "mapped_declined": self._mapped.declined,
         }
 

@@ -123,10 +123,13 @@ class Store:
         self._loop.run(self._a.put(key, tensor, codec, chunk_rows=chunk_rows, shard_rows=shard_rows,
                                    copy=copy))
 
-    def get(self, key: str, device: str | torch.device | None = None, index: Index = None) -> torch.Tensor:
+    def get(self, key: str, device: str | torch.device | None = None, index: Index = None,
+            copy: bool = True) -> torch.Tensor:
         """The newest value of ``key`` on the host, or in the device window with ``device=``.
 
         A host tensor is the caller's own copy; a window tensor is shared: treat it as read-only.
+        ``copy=False`` on a CPU window lends the RAM tier's buffer instead of copying it (raw
+        codec, one chunk; else a copy as usual): read-only too, see ``AsyncStore.get``.
         A row gather of a committed sharded table whose pages are in the page cache is served on
         this thread without a hop to the loop (``AsyncStore.mapped_get``).
         """
@@ -134,19 +137,19 @@ class Store:
             got = self._a.mapped_get(key, index)
             if got is not None:
                 return got
-        t = self._loop.run(self._a.get(key, device=device, index=index))
+        t = self._loop.run(self._a.get(key, device=device, index=index, copy=copy))
         self._a._window.wait_ready(t)
         return t
 
     def get_many(self, keys: Sequence[str], device: str | torch.device | None = None,
-                 then_prefetch: Sequence[tuple[Sequence[str], str]] = ()) -> list[torch.Tensor]:
-        """``[get(k, device) for k in keys]`` in one hop to the store's loop (a layer's weights at once).
+                 then_prefetch: Sequence[tuple[Sequence[str], str]] = (), copy: bool = True) -> list[torch.Tensor]:
+        """``[get(k, device, copy=copy) for k in keys]`` in one hop to the store's loop (a layer's weights at once).
 
         ``then_prefetch``: ``(keys, to)`` hints started once the reads are done, in the same hop
         (the next layer's weights while this one computes).
         """
         async def _all() -> list[torch.Tensor]:
-            out = [await self._a.get(k, device=device) for k in keys]
+            out = [await self._a.get(k, device=device, copy=copy) for k in keys]
             for hint, to in then_prefetch:
                 if hint:
                     await self._a.prefetch(hint, to=to)  # type: ignore[arg-type]

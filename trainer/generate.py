@@ -26,6 +26,12 @@ seed draws the same tokens (one ``torch.multinomial`` per step over the batch, a
 
 Threads: everything runs on the caller's thread; store calls go through the store's sync facade,
 one hop per piece (``Store.get_many`` reads its weights and starts the next piece's prefetch).
+
+On the CPU the window would be a second copy of bytes the RAM tier already holds (raw fp32 or
+bf16 chunks): there the weights and KV blocks are read with ``copy=False``, which lends the RAM
+tier's own buffers (counted in the RAM budget, read-only here, unchanged by later puts) and
+prefetch hints warm the RAM tier instead of the window. Tensors that cannot be lent (a compressed
+codec, several chunks) are copied into the window as before; the window check below stays the same.
 The pieces run with the window tensors swapped into the skeleton's parameters in place (what
 ``functional_call`` does, without its walk over every named tensor per call).
 """
@@ -80,6 +86,8 @@ class StoreKV:
         self.workspace: torch.Tensor | None = None
         """One window tensor: the running layer's keys and values, then each layer's unfilled block."""
         self.workspace_bytes = 0
+        self.lend = device.type == "cpu"
+        """Read blocks with ``copy=False`` (a CPU window lends the RAM tier's buffers)."""
         self.fetched: dict[int, list[torch.Tensor]] = {}
         """Blocks read together with a layer's weights (one store hop), consumed by ``update``."""
         self.single_reads = 0
@@ -155,7 +163,7 @@ class StoreKV:
         blocks = self.fetched.pop(layer, None)
         nb = self.blocks[layer]
         if blocks is None and nb and self.fits(layer):
-            blocks = self.store.get_many(self.keys(layer), device=self.device)
+            blocks = self.store.get_many(self.keys(layer), device=self.device, copy=not self.lend)
         if blocks is not None:
             for i, blk in enumerate(blocks):
                 full[:, :, :, i * self.block:(i + 1) * self.block].copy_(blk)
@@ -164,7 +172,7 @@ class StoreKV:
             for i in range(nb):  # the window holds one block at a time beside the workspace
                 self.single_reads += 1
                 full[:, :, :, i * self.block:(i + 1) * self.block].copy_(
-                    self.store.get(self.key(layer, i), device=self.device))
+                    self.store.get(self.key(layer, i), device=self.device, copy=not self.lend))
         lo = nb * self.block
         tl = self.tail_len[layer]
         tail = self._tails[layer]
@@ -397,6 +405,9 @@ class Generator:
                                       drain=GradDrain(self.device, None, threaded=False))
         self.n_layers = len(self.parts.layers)
         self.n_groups = self.n_layers + 2
+        # a CPU window lends the RAM tier's buffers: a copy into it would be pure overhead
+        # (measured: the copy of 89 MiB of weights a token cost more than the compute)
+        self.lend = self.device.type == "cpu"
         self.binds = self._bindings()
         self.cache_kwarg = cache_kwarg(self.parts.body)
 
@@ -433,7 +444,8 @@ class Generator:
         names = self.engine.reads[g]
         layer = g - 1
         extra = kv.keys(layer) if 0 <= layer < self.n_layers and kv.blocks[layer] and kv.fits(layer) else []
-        got = self.store.get_many(names + extra, device=self.device, then_prefetch=self._hints(g, kv))
+        got = self.store.get_many(names + extra, device=self.device, then_prefetch=self._hints(g, kv),
+                                  copy=not self.lend)
         if extra:
             kv.fetched[layer] = got[len(names):]
         return dict(zip(names, got[: len(names)], strict=True))
@@ -444,8 +456,9 @@ class Generator:
         eng = self.engine
         w = kv.window_bytes
         both = eng.read_bytes[nxt] + eng.read_bytes[g] + kv.workspace_bytes
-        # a window too small for two pieces beside the workspace: warm the RAM tier instead
-        to = "device" if w is None or both <= w else "host"
+        # a window too small for two pieces beside the workspace, or a borrower of the RAM
+        # tier's buffers: warm the RAM tier instead
+        to = "device" if not self.lend and (w is None or both <= w) else "host"
         out = [(list(eng.reads[nxt]), to)]
         layer = nxt - 1
         if 0 <= layer < self.n_layers and kv.blocks[layer]:

@@ -2,7 +2,8 @@
 
 Each program drives one store from asyncio tasks and sync-facade threads (put, get, slice,
 gather, delete, commit, prefetch, cancel, close-and-reopen, read-only opens of retained
-versions) under injected I/O faults, and compares every result with ``tools.modelcheck``'s
+versions, window gets with ``copy=False`` whose last loan is held and must never change) under
+injected I/O faults, and compares every result with ``tools.modelcheck``'s
 model; budgets are checked after every phase. A failure prints the seed and a shrunk program;
 ``python -m tools.fuzz_store --seed S --programs 1`` replays it. Features that hit a defect
 still unfixed would run as xfail variants (``KNOWN``, empty now); the scenarios of issue 10's

@@ -3,6 +3,24 @@
 Owned by the store's event loop thread: every method is called from that thread only, so the
 tier needs no lock. Buffers are allocated through the tier before a chunk is built, so the budget
 bounds the memory actually allocated, not just what has been inserted.
+
+Lent buffers (``lend``; ``get(..., copy=False)`` on a CPU window): a chunk's buffer handed to a
+caller as it is, read-only by contract. Who owns what:
+
+- the tier owns the buffer and keeps counting its bytes in ``used`` for as long as any borrower
+  holds it, whether the chunk is still cached or was dropped or evicted meanwhile (the window
+  counts nothing for it: every lent byte is counted once, here);
+- every lent tensor is (a view of) ``torch.from_numpy(entry.root)``: its storage holds a reference
+  to ``root``, a numpy view of the buffer made for lending. So ``sys.getrefcount(root)`` counts
+  the borrowers, views, ``detach()`` and ``.numpy()`` of lent tensors included, and only ``lend``
+  (on the loop thread) can raise it: once it is down to the tier's own reference the buffer is
+  free for good, whichever thread dropped the last tensor;
+- a borrowed chunk is not evicted (that frees nothing); a dropped one (its generation superseded
+  by a put, which writes new buffers: copy-on-write) waits in ``_held``, counted, and becomes a
+  spare (or is given back) once its borrowers are gone. A spare is never borrowed, so no
+  allocation can hand out memory a borrower still reads;
+- a wait for room that could not succeed even with everything but the loans freed raises
+  ``BudgetError`` at once: only the borrowers can give loans back, and the waiter may be one.
 """
 
 from __future__ import annotations
@@ -14,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from tierstore.errors import BudgetError
@@ -29,6 +48,28 @@ class HostEntry:
     dirty: bool
     #: memory of a caller's tensor (a put with ``copy=False``): never recycled as a spare
     adopted: bool = False
+    #: a numpy view of ``data`` that every lent tensor's storage references (``lend``), else None
+    root: np.ndarray | None = None
+
+    def borrowed(self) -> bool:
+        """Whether a tensor lent from this buffer is still alive somewhere (any thread)."""
+        # each lent tensor's storage (shared by its views) holds one reference to ``root``
+        return self.root is not None and self._root_refs() > _UNLENT_ROOT_REFS
+
+    def _root_refs(self) -> int:
+        return sys.getrefcount(self.root)
+
+
+def _unlent_root_refs() -> int:
+    """``_root_refs`` of a root nobody borrowed: 2 on CPython 3.11 (the field, getrefcount's
+    argument), measured rather than assumed since newer interpreters count stack references
+    differently."""
+    probe = HostEntry(torch.empty(1, dtype=torch.uint8), dirty=False)
+    probe.root = probe.data.numpy()
+    return probe._root_refs()
+
+
+_UNLENT_ROOT_REFS = _unlent_root_refs()
 
 
 class HostTier:
@@ -46,6 +87,8 @@ class HostTier:
         self._spare: dict[int, list[torch.Tensor]] = {}
         #: buffers allocated fresh from the OS since open (the rest were recycled)
         self.fresh_buffers = 0
+        #: dropped or evicted chunks whose buffers are still lent: counted until given back
+        self._held: list[HostEntry] = []
         self._freed = asyncio.Event()
         #: called when a reservation cannot wait any longer; returns a reason or None to wait
         self.explain_stuck: Callable[[], str | None] = lambda: None
@@ -67,6 +110,8 @@ class HostTier:
         handed over as it is: in steady state the tier recycles its buffers instead of
         faulting in fresh pages for every chunk.
         """
+        if self._held:
+            self._reclaim()
         while (spare := self._take_spare(nbytes)) is None:
             if self.budget is None or self.used + nbytes <= self.budget:
                 self.used += nbytes
@@ -78,6 +123,8 @@ class HostTier:
 
     def try_reserve(self, nbytes: int) -> bool:
         """Count ``nbytes`` of memory the caller brings (an adopted buffer), evicting as needed."""
+        if self._held:
+            self._reclaim()
         while self.budget is not None and self.used + nbytes > self.budget:
             if not (self._free_one_spare() or self._evict_one()):
                 return False
@@ -97,6 +144,13 @@ class HostTier:
         if not self.fits(nbytes):
             raise BudgetError(f"a chunk of {nbytes} B is larger than the RAM budget ({self.budget} B)")
         while (got := attempt(nbytes)) is None:
+            lent = self.lent_bytes() if self.budget is not None else 0
+            if lent and self.budget is not None and self.budget - lent < nbytes:
+                # only their borrowers can give them back, and this wait may be one of them
+                raise BudgetError(
+                    f"RAM budget full: {lent} of its {self.budget} B are lent to tensors still "
+                    f"referenced (get(..., copy=False)), {nbytes} B more do not fit beside them; "
+                    "drop the lent tensors you no longer need")
             reason = self.explain_stuck()
             if reason is not None:
                 raise BudgetError(f"RAM budget full and nothing can be freed: {reason}")
@@ -116,7 +170,10 @@ class HostTier:
         """Insert a chunk whose buffer came from ``alloc``/``try_alloc`` (``adopted``: ``reserve``)."""
         old = self._entries.pop(cid, None)
         if old is not None:
-            self.used -= old.data.numel()
+            if old.borrowed():
+                self._held.append(old)  # still read by a borrower: counted until it lets go
+            else:
+                self.used -= old.data.numel()
         self._entries[cid] = HostEntry(data, dirty, adopted)
 
     def lookup(self, cid: ChunkId) -> torch.Tensor | None:
@@ -126,6 +183,26 @@ class HostTier:
             return None
         self._entries.move_to_end(cid)
         return e.data
+
+    def lend(self, cid: ChunkId) -> torch.Tensor | None:
+        """The chunk's whole buffer as a new uint8 tensor to lend out (read-only by contract); None if not held.
+
+        The tensor shares the buffer's memory (no copy) and its storage references the entry's
+        ``root``, so the tier sees the loan for as long as the tensor, or anything made from it,
+        is alive; its bytes stay counted in ``used`` all that time (see the module docstring).
+        """
+        e = self._entries.get(cid)
+        if e is None:
+            return None
+        self._entries.move_to_end(cid)
+        if e.root is None:
+            e.root = e.data.numpy()
+        return torch.from_numpy(e.root)
+
+    def lent_bytes(self) -> int:
+        """Bytes of buffers lent out now (cached chunks and dropped ones), all counted in ``used``."""
+        return (sum(e.data.numel() for e in self._entries.values() if e.borrowed())
+                + sum(e.data.numel() for e in self._held if e.borrowed()))
 
     def dirty_payload(self, cid: ChunkId) -> torch.Tensor | None:
         """The chunk's payload if it is held and not yet on disk (a write to retry)."""
@@ -152,6 +229,10 @@ class HostTier:
 
     def _to_spare(self, e: HostEntry) -> None:
         """Keep a chunk's buffer (still counted) for the next allocation of its size."""
+        if e.borrowed():
+            self._held.append(e)  # lent: it becomes a spare once its borrowers are gone
+            return
+        e.root = None
         buf = e.data
         # without a budget nothing would ever bound the spares; an adopted buffer is a view of
         # a caller's tensor, which must never be handed out as another chunk's buffer
@@ -159,6 +240,20 @@ class HostTier:
             self.used -= buf.numel()
         else:
             self._spare.setdefault(buf.numel(), []).append(buf)
+
+    def _reclaim(self) -> bool:
+        """Turn held buffers whose borrowers are gone into spares (or give them back); True if any."""
+        back: list[HostEntry] = []
+        still: list[HostEntry] = []
+        for e in self._held:  # one look at each: a borrower on another thread may let go meanwhile
+            (still if e.borrowed() else back).append(e)
+        if not back:
+            return False
+        self._held = still
+        for e in back:
+            self._to_spare(e)
+        self._freed.set()
+        return True
 
     def _take_spare(self, nbytes: int) -> torch.Tensor | None:
         """A spare buffer of exactly ``nbytes`` that nobody references any more, or None."""
@@ -191,9 +286,12 @@ class HostTier:
         return sum(e.dirty for e in self._entries.values())
 
     def _evict_one(self) -> bool:
-        """Make the least recently used clean chunk's buffer a spare; False if none is clean."""
+        """Make the least recently used clean chunk's buffer a spare; False if none is clean.
+
+        A lent chunk is passed over: evicting it would free nothing while its borrower reads it.
+        """
         for cid, e in self._entries.items():
-            if not e.dirty:
+            if not e.dirty and not e.borrowed():
                 del self._entries[cid]
                 self._to_spare(e)
                 return True

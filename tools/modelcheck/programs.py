@@ -31,6 +31,7 @@ FEATURES = (
     "device",  # gets and prefetches into the device window (the CPU window without CUDA)
     "sharded",  # puts in the sharded layout (inner chunks of a few rows in shard files)
     "adopt",  # puts with copy=False (the tensor's memory becomes the RAM tier's buffers)
+    "lend",  # window gets with copy=False (the RAM tier's buffer lent), the last one held
 )
 
 #: features that hit a known, unfixed store defect: their test variants are xfail(strict=False)
@@ -74,7 +75,7 @@ class Op:
     commit: bool = True  # reopen: close with or without a commit
     chunk_rows: int = 0  # put: rows per inner chunk of the sharded layout (0: one file per chunk)
     shard_rows: int = 0  # put: rows per shard file (0: the store's default)
-    copy: bool = True  # put: False hands the tensor's memory over
+    copy: bool = True  # put: False hands the tensor's memory over; get (device): False borrows
 
     def describe(self) -> str:
         """One line for a listing of the program."""
@@ -87,7 +88,7 @@ class Op:
             if not self.copy:
                 what += " copy=False"
         elif k in ("get", "delete"):
-            what = f"{k} {self.key}" + (" device" if self.device else "")
+            what = f"{k} {self.key}" + (" device" if self.device else "") + ("" if self.copy else " copy=False")
         elif k == "slice":
             what = f"get {self.key}[{self.lo}:{self.hi}]"
         elif k == "gather":
@@ -162,7 +163,11 @@ def _shape(rng: random.Random) -> tuple[int, ...]:
 def _read_op(rng: random.Random, actor: int, key: str, feats: set[str]) -> Op:
     r = rng.random()
     if r < 0.35:
-        return Op("get", actor, key, device="device" in feats and rng.random() < 0.3)
+        device, copy = "device" in feats and rng.random() < 0.3, True
+        # drawn only with the feature, so programs without it stay what their seeds gave before
+        if "lend" in feats and rng.random() < 0.5:
+            device, copy = True, False
+        return Op("get", actor, key, device=device, copy=copy)
     if r < 0.6:
         return Op("slice", actor, key, lo=rng.randint(-6, 14), hi=rng.randint(-6, 20))
     n = rng.randint(0, 5)

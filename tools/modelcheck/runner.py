@@ -157,6 +157,10 @@ class Runner:
         self._done = False  # run() has returned: later loop errors go to STRAY_LOOP_ERRORS
         self._running: dict[int, str] = {}
         self._rng = random.Random(program.seed ^ 0x5EED)
+        #: the last tensor a get(copy=False) lent, a copy of it then, and the call: held across
+        #: the program's later puts, deletes, commits and reopens, it must never change
+        self._loan: tuple[torch.Tensor, torch.Tensor, str] | None = None
+        self._loan_lock = threading.Lock()
 
     # ------------------------------------------------------------ plumbing
 
@@ -303,16 +307,29 @@ class Runner:
                 raise _Stop
             if owner:
                 m.narrow(op.key, ok)
+            if not op.copy and isinstance(res, torch.Tensor):
+                self._hold_loan(res, op.describe())
 
         dev = "cpu" if op.device else None
         if op.kind == "get":
-            kw: dict[str, Any] = {}
+            kw: dict[str, Any] = {} if op.copy else {"copy": False}
         elif op.kind == "slice":
             kw = {"index": slice(op.lo, op.hi)}
         else:
             kw = {"index": index}
         return _Call(lambda a: a.get(op.key, device=dev, **kw),
                      lambda s: s.get(op.key, device=dev, **kw), finish_read)
+
+    def _hold_loan(self, t: torch.Tensor, what: str) -> None:
+        """Keep ``t`` (lent) instead of the previous loan, which is checked as it is dropped."""
+        with self._loan_lock:
+            prev, self._loan = self._loan, (t, t.clone(), what)
+        self._check_loan(prev)
+
+    def _check_loan(self, loan: tuple[torch.Tensor, torch.Tensor, str] | None) -> None:
+        if loan is not None and not same_tensor(loan[0], loan[1]):
+            self.model.fail(f"{loan[2]}: the lent tensor changed while it was held "
+                            f"(now {loan[0].reshape(-1)[:6].tolist()}, lent as {loan[1].reshape(-1)[:6].tolist()})")
 
     async def _cancelled(self, op: Op, call: _Call, a: tierstore.AsyncStore) -> None:
         coro = call.run_async(a)
@@ -547,6 +564,7 @@ class Runner:
                 finally:
                     self.store.async_store.inject_faults(None)
                 self._check_budgets(self.store)
+                self._check_loan(self._loan)
                 if self.model.failures:
                     break
                 for op in ph.barriers:
@@ -582,6 +600,7 @@ class Runner:
         assert self.store is not None
         self._check_head()
         self._check_budgets(self.store)
+        self._check_loan(self._loan)
         head = self.model.head_alternative()
         s, self.store = self.store, None
         s.close(commit=True)
