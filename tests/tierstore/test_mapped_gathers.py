@@ -11,10 +11,12 @@ import time
 
 import pytest
 import torch
+from test_shards import ROWS
+from test_shards import _indices as shard_indices
 
 import tierstore
 
-ROWS, COLS = 600, 64
+COLS = 64
 BUDGET = "64KiB"  # the table is 150 KiB (fp32): larger than the RAM budget
 
 
@@ -23,21 +25,10 @@ def _table(dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
 
 
 def _indices() -> dict[str, torch.Tensor | int]:
-    g = torch.Generator().manual_seed(1)
-    rand = torch.randint(0, ROWS, (200,), generator=g)
-    return {
-        "random": rand,
-        "sorted": rand.sort().values,
-        "repeated": torch.tensor([5, 5, 5, 90, 5, 599, 90]),
-        "empty": torch.tensor([], dtype=torch.int64),
-        "2-D": torch.randint(0, ROWS, (3, 4), generator=g),
-        "boundaries": torch.tensor([6, 7, 34, 35, 69, 70, 594, 595, 599, 0]),
-        "negative": torch.tensor([-1, -600, 3]),
-        "int32": torch.tensor([599, 0, 17], dtype=torch.int32),
-        "one": torch.tensor([42]),
-        "0-d": torch.tensor(17),
-        "python int": 123,
-    }
+    # test_shards' index kinds (its boundaries are its chunk and shard edges), and
+    # the index types the mapped path converts itself
+    return {**shard_indices(), "int32": torch.tensor([599, 0, 17], dtype=torch.int32),
+            "0-d": torch.tensor(17), "python int": 123}
 
 
 def _served(s: tierstore.Store) -> int:
