@@ -16,7 +16,7 @@ PY=${PYTHON:-python3}
 TOTAL_S=${TOTAL_S:-540}               # the whole check ends by then (the device call's limit is 600 s)
 BENCH_BUDGET_S=${BENCH_BUDGET_S:-300}   # the benchmark's share
 TESTS_TIMEOUT_S=${TESTS_TIMEOUT_S:-80}
-SUITE_TIMEOUT_S=${SUITE_TIMEOUT_S:-140}
+SUITE_TIMEOUT_S=${SUITE_TIMEOUT_S:-180}
 mkdir -p "$OUT"
 start=$(date +%s)
 
@@ -67,7 +67,7 @@ fi
 
 # Generation on the GPU (issue 14's goals): mt.generate with a 2-layer window against
 # transformers in memory and accelerate's disk_offload, all computing on the same device.
-timeout "${GENERATE_TIMEOUT_S:-80}" "$PY" -m tools.bench_generate --device "$DEVICE" \
+timeout "${GENERATE_TIMEOUT_S:-60}" "$PY" -m tools.bench_generate --device "$DEVICE" \
   $( [ "$DEVICE" = cuda ] || echo "--quick --rounds 1 --hidden 128 --intermediate 256 --layers 4" ) \
   > "$OUT/generate.txt" 2>&1
 echo "bench_generate rc=$? after $(( $(date +%s) - start )) s" >> "$OUT/generate.txt"
