@@ -141,3 +141,15 @@ def test_bench_generate_runs_and_every_run_agrees_with_transformers(tmp_path, ca
         assert run in out
     assert out.count(" yes") == 5
     assert "goal batch 4 >= 10x batch 1 throughput" in out
+
+
+def test_bench_optimizer_measures_the_same_update_on_both_sides(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tools import bench_optimizer
+
+    # exit 0 only when the store's weights equal torch's fused AdamW's after the same steps
+    assert bench_optimizer.main(["--params-m", "1", "--tensors", "2", "--repeats", "2", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "equal on both sides: yes" in out
+    store_row = next(line for line in out.splitlines() if line.startswith("store: StoreAdamW"))
+    math_s, get_s, put_s = (float(x) for x in store_row.split()[4:7])
+    assert get_s > 0 and put_s > 0 and math_s >= 0  # the split of the store's step
