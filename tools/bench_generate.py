@@ -41,6 +41,16 @@ def _config(a: argparse.Namespace) -> Any:
                        max_position_embeddings=a.prompt + a.new + 8, bos_token_id=0, eos_token_id=1)
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model and prompt options this benchmark and ``tools.check_generate`` share."""
+    p.add_argument("--prompt", type=int, default=16, help="prompt tokens")
+    p.add_argument("--new", type=int, default=16, help="new tokens")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--intermediate", type=int, default=1200)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+
+
 def _timed(fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
     t0 = time.perf_counter()
     out = fn().cpu()  # waits for the device's queued work too
@@ -58,13 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a short run: 4 new tokens, big batch 8, 3 rounds")
     p.add_argument("--rounds", type=int, default=3, help="alternating timed rounds (the median is shown)")
-    p.add_argument("--prompt", type=int, default=16, help="prompt tokens")
-    p.add_argument("--new", type=int, default=16, help="new tokens")
+    add_model_args(p)
     p.add_argument("--big-batch", type=int, default=32)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=1200)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-block-tokens", type=int, default=64)
     p.add_argument("--ram-fraction", type=float, default=1.0,
                    help="mt's RAM budget as a fraction of the weights (below 1: the rest is read from disk per token)")

@@ -60,19 +60,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     import trainer as mt
-    from tools.bench_generate import _config
+    from tools.bench_generate import _config, add_model_args
     from trainer.generate import kv_workspace_bytes
 
     p = argparse.ArgumentParser(prog="tools.check_generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--prompt", type=int, default=16)
-    p.add_argument("--new", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--intermediate", type=int, default=1200)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=8)
+    add_model_args(p)
     p.add_argument("--sync", action="store_true", help="make every window upload synchronous")
     p.add_argument("--tie", type=float, default=1e-3, help="a shortfall below this is a near-tie (float noise)")
     a = p.parse_args(argv)

@@ -153,3 +153,16 @@ def test_bench_optimizer_measures_the_same_update_on_both_sides(tmp_path, capsys
     store_row = next(line for line in out.splitlines() if line.startswith("store: StoreAdamW"))
     math_s, get_s, put_s = (float(x) for x in store_row.split()[4:7])
     assert get_s > 0 and put_s > 0 and math_s >= 0  # the split of the store's step
+
+
+def test_check_generate_agrees_and_finds_a_difference(capsys: pytest.CaptureFixture[str]) -> None:
+    from tools import check_generate
+
+    argv = ["--device", "cpu", "--new", "3", "--hidden", "64", "--intermediate", "96", "--layers", "2",
+            "--heads", "4", "--prompt", "5", "--batch", "2"]
+    assert check_generate.main(argv) == 0
+    assert "2 of 2 rows equal" in capsys.readouterr().out
+    ref = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 4]])
+    out = ref.clone()
+    out[1, 3] = 9
+    assert check_generate.first_difference(out, ref, 2) == [None, 3]
