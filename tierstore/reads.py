@@ -29,6 +29,7 @@ from tierstore.stats import Counters, Tracer
 from tierstore.tiers.device import DeviceWindow
 from tierstore.tiers.disk import DiskTier, Inner
 from tierstore.tiers.host import HostTier
+from tierstore.updates import BorrowTable
 
 T = TypeVar("T")
 
@@ -59,10 +60,12 @@ class ReadPath:
     _device_loads: dict[int, asyncio.Task[None]]
     _read_sem: asyncio.Semaphore | None
     _shard_maps: dict[int, ShardMap]
+    _borrows: BorrowTable
     config: StoreConfig
 
     if TYPE_CHECKING:  # helpers AsyncStore defines
         def _record(self, key: str) -> GenRecord: ...
+        def _chunk_crc(self, rec: GenRecord, i: int) -> int: ...
         def _check_open(self) -> None: ...
         def _spawn(self, coro: Any) -> asyncio.Task[Any]: ...
         async def _run_io(self, fn: Callable[..., T], *args: Any) -> T: ...
@@ -83,6 +86,9 @@ class ReadPath:
         counts the tensors lent.
         """
         rec = self._record(key)
+        if self._borrows.updating(key):  # a reader never sees half an update
+            await self._borrows.wait_readable(key)
+            rec = self._record(key)
         target = self._target_device(device)
         self.stats_counters.gets += 1
         upcoming = self._predictor.record(key)
@@ -567,7 +573,7 @@ class ReadPath:
                            dest: torch.Tensor) -> None:
         """Read a raw chunk straight into the destination (no RAM-tier copy)."""
         lo, hi, off = piece
-        n, crc = rec.chunks[i]
+        n, crc = rec.chunks[i][0], self._chunk_crc(rec, i)
         item = dest.element_size()
         dest_bytes = dest.view(torch.uint8) if dest.dtype != torch.uint8 else dest
         head = np.empty(lo * item, np.uint8)
@@ -621,7 +627,7 @@ class ReadPath:
 
     async def _disk_read(self, rec: GenRecord, i: int, cache: str) -> torch.Tensor:
         cid = (rec.generation, i)
-        n, crc = rec.chunks[i]
+        n, crc = rec.chunks[i][0], self._chunk_crc(rec, i)
         buf: torch.Tensor | None = None
         if cache == "yes":
             try:

@@ -30,6 +30,8 @@ class Counters:
     prefetch_errors: int = 0
     lent: int = 0  # tensors lent from the RAM tier (get(copy=False)) instead of copied
     bytes_lent: int = 0
+    updates: int = 0  # update() loans
+    bytes_copied_on_write: int = 0  # chunk bytes an update copied because a reader held them
 
 
 class Tracer:

@@ -23,11 +23,13 @@ when the cancellation arrives the version either exists (in memory and on disk) 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import fcntl
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -71,6 +73,7 @@ from tierstore.stats import Counters, Tracer
 from tierstore.tiers.device import DeviceWindow
 from tierstore.tiers.disk import IOV_MAX, DiskTier, SyncLedger, checksum, crc_trailer
 from tierstore.tiers.host import HostTier
+from tierstore.updates import CRC_PENDING, BorrowTable, Update, split_flat
 
 T = TypeVar("T")
 _INLINE_BYTES = 1 << 20  # smaller chunks are coded on the loop thread: a thread hop costs more
@@ -119,6 +122,11 @@ class AsyncStore(ReadPath):
         pin = torch.cuda.is_available() and config.device is not None and config.device.type == "cuda"
         self._host = HostTier(config.ram_budget, pin=pin)
         self._host.explain_stuck = self._explain_stuck
+        #: keys lent for update (or being put): who may touch them waits (``tierstore.updates``)
+        self._borrows = BorrowTable()
+        #: crc32c of chunks changed in place, computed when they are written (``CRC_PENDING``)
+        self._late_crcs: dict[tuple[int, int], int] = {}
+        self._finishing = 0  # updates through a scratch whose new generation is being made
         assert config.device is not None
         self._window = DeviceWindow(config.device, config.device_budget)
         self._window.attach_staging(self._host)  # pinned copy buffers in the RAM budget (CUDA only)
@@ -387,9 +395,53 @@ class AsyncStore(ReadPath):
                   if t.done() and not t.cancelled() and t.exception() is not None]
         if failed:
             return f"{len(failed)} chunk writes failed; last error: {failed[-1]}"
+        if self._start_write_back():
+            return None
+        if self._finishing:
+            return None  # an update's encoded chunks become a head, and writable, once it lands
         if self._host.dirty_count():
-            return f"{self._host.dirty_count()} chunks wait to be written"
+            return (f"{self._host.dirty_count()} chunks wait to be written (chunks lent to an "
+                    "open update() are written once it ends)")
         return None
+
+    def _start_write_back(self) -> bool:
+        """Start writing dirty head chunks nobody writes yet, least recently used first; True if any.
+
+        Write-behind: a dirty chunk is written when the RAM budget needs its room or a commit
+        needs it durable, not when it is made, so state that fits the budget costs no disk
+        traffic between commits. About 1/16 of the budget is queued at once, so that room
+        frees while more is written.
+        """
+        heads = {r.generation: r for r in self._head.values()}
+        target = max(1, (self._host.budget or 0) // 16)
+        queued = 0
+        for gen, _ in self._host.dirty_lru():
+            rec = heads.get(gen)
+            if rec is None or gen in self._writes:
+                continue  # written already or now, or not a head any more (its retirement drops it)
+            self._writes[gen] = [self._spawn(self._write_dirty(rec))]
+            queued += rec.stored_nbytes
+            if queued >= target:
+                break
+        return queued > 0
+
+    async def _write_dirty(self, rec: GenRecord) -> None:
+        """Write every dirty chunk of ``rec`` (with its folders and metadata); raise the first failure."""
+        failures = await _settle([self._spawn(c) for c in await self._rewrite(rec)])
+        if failures:
+            raise failures[0]
+
+    def _chunk_crc(self, rec: GenRecord, i: int) -> int:
+        """The crc32c of chunk ``i`` of ``rec``: in the record, or computed when it was written."""
+        crc = rec.chunks[i][1]
+        return self._late_crcs[(rec.generation, i)] if crc == CRC_PENDING else crc
+
+    def _resolve_crcs(self, rec: GenRecord) -> GenRecord:
+        """``rec`` with the crcs its chunks got when they were written (a commit publishes this)."""
+        if all(c != CRC_PENDING for _, c in rec.chunks):
+            return rec
+        return dataclasses.replace(rec, chunks=tuple(
+            (n, self._chunk_crc(rec, i)) for i, (n, _) in enumerate(rec.chunks)))
 
     # ---------------------------------------------------------------- put
 
@@ -428,19 +480,34 @@ class AsyncStore(ReadPath):
             grid = ChunkGrid.plan(tuple(t.shape), t.element_size(), self.config.chunk_bytes)
         else:
             grid, shard = plan_sharded(tuple(t.shape), t.element_size(), chunk_rows, shard_rows)
-        gen = self._next_gen
-        self._disk.generation_dir(key, gen)  # InvalidKey now if its folder name is too long
-        self._next_gen += 1
+        self._disk.generation_dir(key, self._next_gen)  # InvalidKey now if its folder name is too long
         t0 = time.perf_counter()
+        # only a tensor that is its whole storage: adopting a view would keep the rest of
+        # its base alive, uncounted; a pinned RAM tier (CUDA) copies, as its buffers must
+        # stay pinned for asynchronous H2D loads
+        adopt = (not copy and codec_obj.raw_layout and t.device.type == "cpu"
+                 and not self._host.pin
+                 and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+        await self._borrows.acquire(key)  # one writer per key: an update of it ends first
+        try:
+            rec = await self._put_generation(key, t, codec_obj, grid, shard, adopt=adopt)
+        finally:
+            self._borrows.release(key)
+        self.stats_counters.puts += 1
+        self.tracer.span("put", "store", t0, time.perf_counter(), key=key, bytes=rec.nbytes)
+
+    async def _put_generation(self, key: str, t: torch.Tensor, codec_obj: Codec, grid: ChunkGrid,
+                              shard: int, adopt: bool = False, lazy: bool = False) -> GenRecord:
+        """Write ``t`` as a new generation of ``key`` and make it the head; the caller holds ``key``.
+
+        ``lazy``: its chunks stay dirty in RAM until the budget or a commit needs them written.
+        """
+        gen = self._next_gen
+        self._next_gen += 1
         assert self._commit_lock is not None
         try:
-            # only a tensor that is its whole storage: adopting a view would keep the rest of
-            # its base alive, uncounted; a pinned RAM tier (CUDA) copies, as its buffers must
-            # stay pinned for asynchronous H2D loads
-            adopt = (not copy and codec_obj.raw_layout and t.device.type == "cpu"
-                     and not self._host.pin
-                     and t.untyped_storage().nbytes() == t.numel() * t.element_size())
-            rec = await self._write_generation(key, gen, t, codec_obj, grid, shard, adopt=adopt)
+            rec = await self._write_generation(key, gen, t, codec_obj, grid, shard, adopt=adopt,
+                                               lazy=lazy)
             async with self._commit_lock:  # a commit in progress owns the head
                 # no await from here on: the put lands whole, or (cancelled above) not at all
                 old = self._head.get(key)
@@ -451,8 +518,184 @@ class AsyncStore(ReadPath):
             if self._head.get(key) is None or self._head[key].generation != gen:
                 self._retire_soon(key, gen, grid.n_chunks)
             raise
-        self.stats_counters.puts += 1
-        self.tracer.span("put", "store", t0, time.perf_counter(), key=key, bytes=rec.nbytes)
+        return rec
+
+    # ---------------------------------------------------------------- in-place updates
+
+    @contextlib.asynccontextmanager
+    async def update(self, key: str, *, chunked: bool = False) -> AsyncIterator[Any]:
+        """Lend ``key``'s value writable; what the block leaves in it becomes the new head.
+
+        ``async with store.update(key) as t: t.mul_(0.5)``. A raw tensor that is not sharded
+        and fits the RAM budget is updated where it lives: its RAM-tier buffers are lent (no
+        copy, no fresh page) and its chunks stay dirty in RAM until the budget or a commit needs
+        them written. Anything else is decoded into a scratch buffer and encoded back at the
+        end (``tierstore.updates``). ``chunked=True`` lends a list of flat views, one per chunk
+        (a tensor of several chunks is lent in place only that way; as one tensor it goes
+        through a scratch copy). Other gets, puts and updates of ``key`` wait for the end; a
+        commit waits for in-place updates. If the block raises, the key keeps what the block
+        left in the tensor, like an in-place torch op that failed midway.
+        """
+        u = await self.begin_update(key, chunked=chunked)
+        try:
+            yield u.value()
+        finally:
+            await self.end_update(u)
+
+    async def begin_update(self, key: str, *, chunked: bool = False) -> Update:
+        """Start an update of ``key`` (``update`` pairs it with ``end_update``); the loan in ``.value()``."""
+        self._check_writable()
+        validate_key(key)
+        self._record(key)  # KeyNotFound before waiting
+        await self._borrows.acquire(key, update=True)
+        try:
+            rec = self._record(key)
+            u = None
+            if self._in_place_ok(rec):
+                u = await self._begin_in_place(rec, chunked)
+            if u is None:
+                u = await self._begin_scratch(rec, chunked)
+        except BaseException:
+            self._borrows.release(key)
+            raise
+        self.stats_counters.updates += 1
+        return u
+
+    def _in_place_ok(self, rec: GenRecord) -> bool:
+        budget = self._host.budget
+        return (rec.codec_obj.raw_layout and not rec.shard and rec.nbytes > 0
+                and (budget is None or rec.stored_nbytes <= budget // 2))
+
+    async def _begin_in_place(self, rec: GenRecord, chunked: bool) -> Update | None:
+        """Lend ``rec``'s RAM-tier buffers as a new head generation; None if they will not stay in RAM."""
+        g, n = rec.generation, rec.grid.n_chunks
+        assert self._commit_lock is not None
+        # a write in flight reads the buffers about to change: let it end (put's write-behind)
+        await _settle(list(self._writes.get(g, [])))
+        dtype = rec.decoded_dtype
+        for _attempt in range(3):
+            missing = [i for i in range(n) if not self._host.holds((g, i))]
+            if missing:  # loaded holding nothing of ours: a wait for room here cannot be for us
+                self._pins.pin(g)
+                try:
+                    await asyncio.gather(*(self._load_chunk(rec, i, cache="yes") for i in missing))
+                finally:
+                    self._pins.unpin(g)
+            # copy on write where someone reads the old bytes: a loan, or a read in flight (new
+            # readers of this key wait for us, so this set only shrinks from here)
+            readers = self._pins.pinned(g)
+            need = {i: rec.chunks[i][0] for i in range(n) if readers or self._host.lent((g, i))}
+            if not chunked and n > 1:
+                need[-1] = rec.nbytes  # the scratch one tensor of several chunks is lent in
+            bufs: dict[int, torch.Tensor] = {}
+            try:
+                for i, nbytes in need.items():
+                    # never waited for: memory held here while waiting could be what the wait needs
+                    buf = self._host.try_alloc(nbytes)
+                    if buf is None:
+                        return None  # no room beside the chunks: through a scratch instead
+                    bufs[i] = buf
+                async with self._commit_lock:  # the head is a commit's while it runs
+                    # no await from here on: the loan starts whole or not at all
+                    if all(self._host.holds((g, i)) for i in range(n)):
+                        scratch_buf = bufs.pop(-1, None)
+                        u = self._lend_in_place(rec, bufs, scratch_buf, chunked, dtype)
+                        bufs = {}
+                        return u
+            finally:
+                for buf in bufs.values():
+                    self._host.recycle(buf)
+            # chunks evicted meanwhile (a full budget): load them again
+        return None
+
+    def _lend_in_place(self, rec: GenRecord, cow: dict[int, torch.Tensor],
+                       scratch_buf: torch.Tensor | None, chunked: bool, dtype: torch.dtype) -> Update:
+        """The no-await part of ``_begin_in_place``: move (or copy) the chunks, swap the head."""
+        g, n = rec.generation, rec.grid.n_chunks
+        new_gen = self._next_gen
+        self._next_gen += 1
+        parts = []
+        for i in range(n):
+            if i in cow:
+                buf = cow[i]
+                src = self._host.lookup((g, i))
+                assert src is not None
+                buf.copy_(src)
+                self._host.insert_for_update((new_gen, i), buf)
+                self.stats_counters.bytes_copied_on_write += buf.numel()
+            else:
+                buf = self._host.take_for_update((g, i), (new_gen, i))
+            parts.append(buf[: rec.grid.span(i)[1] * dtype.itemsize].view(dtype))
+        new = dataclasses.replace(rec, generation=new_gen,
+                                  chunks=tuple((nb, CRC_PENDING) for nb, _ in rec.chunks))
+        self._head[rec.key] = new
+        self._borrows.mark_in_place(rec.key)
+        if g not in self._committed:
+            self._retire_soon(rec.key, g, n)
+        u = Update(rec.key, rec, new, parts, chunked=chunked)
+        if scratch_buf is not None:
+            u.scratch_buf = scratch_buf
+            u.scratch = scratch_buf.view(dtype)
+            for piece, part in zip(split_flat(u.scratch, [p.numel() for p in parts]), parts, strict=True):
+                piece.copy_(part)
+        return u
+
+    async def _begin_scratch(self, rec: GenRecord, chunked: bool) -> Update:
+        """Decode ``rec`` into a scratch buffer counted in the RAM budget (coded, sharded or large)."""
+        dtype = rec.decoded_dtype
+        nbytes = max(1, rec.nbytes)
+        # in the budget only where it leaves room for the encoded chunks it is turned into
+        budget = self._host.budget
+        buf = await self._host.alloc(nbytes) if budget is None or nbytes <= budget // 4 else None
+        scratch = (buf if buf is not None else torch.empty(nbytes, dtype=torch.uint8))[: rec.nbytes].view(dtype)
+        self._pins.pin(rec.generation)
+        try:
+            await self._fill(rec, [(0, scratch.numel(), 0)], scratch)
+        except BaseException:
+            if buf is not None:
+                self._host.recycle(buf)
+            raise
+        finally:
+            self._pins.unpin(rec.generation)
+        sizes = [rec.grid.span(i)[1] for i in range(rec.grid.n_chunks)]
+        return Update(rec.key, rec, None, split_flat(scratch, sizes), scratch=scratch,
+                      scratch_buf=buf, chunked=chunked)
+
+    async def end_update(self, u: Update) -> None:
+        """End an update: its value becomes the head (at once, or encoded from the scratch)."""
+        if u.done:
+            return
+        u.done = True
+        task = self._spawn(self._finish_update(u))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await _finish_despite_cancel(task)  # the key is never left lent
+            raise
+
+    async def _finish_update(self, u: Update) -> None:
+        rec = u.old
+        try:
+            if u.new is not None:  # in place: the head is already the new generation
+                if u.scratch is not None:
+                    for piece, part in zip(split_flat(u.scratch, [p.numel() for p in u.parts]),
+                                           u.parts, strict=True):
+                        part.copy_(piece)
+                for i in range(rec.grid.n_chunks):
+                    self._host.end_update((u.new.generation, i))
+            else:
+                assert u.scratch is not None
+                self._finishing += 1
+                try:
+                    await self._put_generation(rec.key, u.scratch.view(rec.shape), rec.codec_obj,
+                                               rec.grid, rec.shard, lazy=not rec.shard)
+                finally:
+                    self._finishing -= 1
+        finally:
+            if u.scratch_buf is not None:
+                self._host.recycle(u.scratch_buf)
+            u.parts, u.scratch, u.scratch_buf = [], None, None
+            self._borrows.release(rec.key)
 
     def _check_sharding(self, key: str, t: torch.Tensor, chunk_rows: Any, shard_rows: Any) -> None:
         """Reject bad ``chunk_rows``/``shard_rows`` naming the rule, before anything is written."""
@@ -474,13 +717,41 @@ class AsyncStore(ReadPath):
                               f"than the RAM budget ({self._host.budget} B); lower chunk_rows")
 
     async def _write_generation(self, key: str, gen: int, t: torch.Tensor, codec: Codec,
-                                grid: ChunkGrid, shard: int = 0, adopt: bool = False) -> GenRecord:
-        # nothing on the put's own path touches the disk: folders and files are write-behind
-        tasks = self._writes.setdefault(gen, [])
-        dirs = self._spawn(self._make_dirs(key, gen, grid, shard))
-        tasks.append(dirs)
-        tasks.append(self._spawn(self._write_meta(key, gen, grid, t.dtype, codec, after=dirs,
-                                                  shard=shard)))
+                                grid: ChunkGrid, shard: int = 0, adopt: bool = False,
+                                lazy: bool = False) -> GenRecord:
+        # nothing on the put's own path touches the disk: folders and files are write-behind,
+        # started now, or (``lazy``, not sharded) when the budget or a commit needs them
+        assert not (lazy and (shard or adopt))
+        tasks: list[asyncio.Task[None]] = [] if lazy else self._writes.setdefault(gen, [])
+        dirs: asyncio.Task[None] | None = None
+
+        def start_writes() -> asyncio.Task[None]:
+            task = self._spawn(self._make_dirs(key, gen, grid, shard))
+            tasks.append(task)
+            tasks.append(self._spawn(self._write_meta(key, gen, grid, t.dtype, codec, after=task,
+                                                      shard=shard)))
+            return task
+
+        if not lazy:
+            dirs = start_writes()
+
+        async def alloc(nbytes: int) -> torch.Tensor:
+            # a lazy generation is not a head yet, so the write-behind cannot free its room: once
+            # the budget is full it is written as it is made, like a put's
+            nonlocal lazy, dirs
+            if lazy:
+                buf = self._host.try_alloc(nbytes)
+                if buf is not None:
+                    return buf
+                lazy = False
+                self._writes[gen] = tasks
+                dirs = start_writes()
+                for j, (_, crc) in enumerate(chunks):
+                    payload = self._host.dirty_payload((gen, j))
+                    if payload is not None:
+                        tasks.append(self._spawn(self._write_chunk(key, gen, grid, j, payload, crc,
+                                                                   after=dirs)))
+            return await self._host.alloc(nbytes)
         flat = t.reshape(-1)
         chunks: list[tuple[int, int]] = []
         at = 0  # offset of the next inner chunk in its shard file
@@ -501,7 +772,7 @@ class AsyncStore(ReadPath):
                     self._host.release(payload)
                     raise
             elif codec.raw_layout:
-                buf = await self._host.alloc(raw_bytes)
+                buf = await alloc(raw_bytes)
                 try:
                     payload, crc = await self._run_cpu(raw_bytes, encode_chunk, codec, flat, grid, i, buf)
                 except BaseException:
@@ -509,12 +780,14 @@ class AsyncStore(ReadPath):
                     raise
             else:
                 encoded, crc = await self._run_cpu(raw_bytes, encode_chunk, codec, flat, grid, i, None)
-                payload = await self._host.alloc(encoded.numel())
+                payload = await alloc(encoded.numel())
                 payload.copy_(encoded)  # into a buffer the RAM tier accounts for
             self._host.insert((gen, i), payload, dirty=True, adopted=adopted)
             chunks.append((payload.numel(), crc))
             if not shard:
-                tasks.append(self._spawn(self._write_chunk(key, gen, grid, i, payload, crc, after=dirs)))
+                if not lazy:
+                    tasks.append(self._spawn(self._write_chunk(key, gen, grid, i, payload, crc,
+                                                               after=dirs)))
                 continue
             # a shard is written in groups of adjacent inner chunks, one pwritev each (a task
             # per 4 KiB row cost more than the write); a group stays well under the budget,
@@ -615,6 +888,8 @@ class AsyncStore(ReadPath):
             if shared and (leased is None or g in leased):
                 continue  # a reader (maybe in another process) reads it
             del self._deferred[g]
+            for i in range(n_chunks):
+                self._late_crcs.pop((g, i), None)
             self._host.drop_generation(g, n_chunks)
             self._window.forget(g)
             self._shard_maps.pop(g, None)
@@ -682,13 +957,17 @@ class AsyncStore(ReadPath):
         self._check_writable()
         rec = self._record(key)
         assert self._commit_lock is not None
-        async with self._commit_lock:
-            rec = self._head.get(key)  # a delete queued before us may have removed it
-            if rec is None:
-                raise KeyNotFound(f"no tensor under key {key!r} (deleted meanwhile)")
-            del self._head[key]
-            if rec.generation not in self._committed:
-                self._retire_soon(rec.key, rec.generation, rec.grid.n_chunks)
+        await self._borrows.acquire(key)  # an update of it ends first
+        try:
+            async with self._commit_lock:
+                rec = self._head.get(key)  # a delete queued before us may have removed it
+                if rec is None:
+                    raise KeyNotFound(f"no tensor under key {key!r} (deleted meanwhile)")
+                del self._head[key]
+                if rec.generation not in self._committed:
+                    self._retire_soon(rec.key, rec.generation, rec.grid.n_chunks)
+        finally:
+            self._borrows.release(key)
 
     def versions(self) -> list[Commit]:
         """Retained commits, oldest first."""
@@ -714,7 +993,8 @@ class AsyncStore(ReadPath):
             "commits": c.commits, "prefetched_chunks": c.prefetched_chunks,
             "prefetch_errors": c.prefetch_errors, "dirty_chunks": self._host.dirty_count(),
             "host_fresh_buffers": self._host.fresh_buffers, "lent": c.lent, "bytes_lent": c.bytes_lent,
-            "host_lent_bytes": self._host.lent_bytes(),
+            "host_lent_bytes": self._host.lent_bytes(), "updates": c.updates,
+            "bytes_copied_on_write": c.bytes_copied_on_write,
             "mapped_gathers": self._mapped.served, "mapped_declined": self._mapped.declined,
         }
 
@@ -782,6 +1062,13 @@ class AsyncStore(ReadPath):
             payload = self._host.dirty_payload((rec.generation, i))
             if payload is None:
                 continue
+            if crc == CRC_PENDING:  # changed in place: its crc is taken now, once (no update can
+                # change it any more: a new update moves it to a new generation, after this write)
+                cid = (rec.generation, i)
+                if cid not in self._late_crcs:
+                    self._late_crcs[cid] = await self._run_cpu(payload.numel(), checksum,
+                                                               [payload.numpy()])
+                crc = self._late_crcs[cid]
             if smap is None:
                 coros.append(self._write_chunk(rec.key, rec.generation, rec.grid, i, payload, crc))
             else:
@@ -807,9 +1094,16 @@ class AsyncStore(ReadPath):
         await lock.acquire()
         try:
             t0 = time.perf_counter()
+            await self._borrows.wait_no_in_place()  # never publish half an update
+            # write-behind: what the budget has not made write yet is written now
+            for rec in list(self._head.values()):
+                if rec.generation not in self._records and rec.generation not in self._writes:
+                    self._writes[rec.generation] = [self._spawn(self._write_dirty(rec))]
             # cancelled up to the transaction, nothing happened: drained writes and fsyncs
             # change nothing a reopen sees, and the ledger keeps what was not surely synced
             await self._drain_writes()
+            for k, rec in list(self._head.items()):
+                self._head[k] = self._resolve_crcs(rec)
             head = dict(self._head)
             await self._fsync_all()
             version = (self._commits[-1].version + 1) if self._commits else 1

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import sys
 import threading
 import weakref
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -100,7 +101,23 @@ class Store:
         self.path = astore.path
         self.mode = astore.mode
         self.config = astore.config
+        #: keys each thread has lent by ``update``: the same thread touching one would wait forever
+        self._held = threading.local()
         _OPEN_STORES.add(self)
+
+    def _held_keys(self) -> set[str]:
+        keys = getattr(self._held, "keys", None)
+        if keys is None:
+            keys = self._held.keys = set()
+        return keys
+
+    def _refuse_held(self, key: str | None) -> None:
+        """StoreError where this thread would wait on its own ``update`` (of ``key``, or any: None)."""
+        held = self._held_keys()
+        if held and (key is None or key in held):
+            what = f"{key!r}" if key is not None else f"{sorted(held)[:3]}"
+            raise StoreError(f"{what} is lent to an update() open in this thread: finish it first "
+                             "(inside it, use the tensor it lent)")
 
     @property
     def closed(self) -> bool:
@@ -120,8 +137,28 @@ class Store:
         only the inner chunks holding their rows); ``copy=False`` hands the tensor's memory to
         the store instead of copying it (do not modify it afterwards); see ``AsyncStore.put``.
         """
+        self._refuse_held(key)
         self._loop.run(self._a.put(key, tensor, codec, chunk_rows=chunk_rows, shard_rows=shard_rows,
                                    copy=copy))
+
+    @contextlib.contextmanager
+    def update(self, key: str, *, chunked: bool = False) -> Iterator[Any]:
+        """Lend ``key``'s value writable; what the block leaves in it becomes the new head.
+
+        ``with store.update("w") as t: t.add_(g)``: a raw tensor in RAM is changed where it
+        lives (no copy, no disk write until the budget or a commit needs one); ``chunked=True``
+        lends one flat view per chunk (in place for tensors of several chunks too). Other
+        threads' reads of ``key`` wait for the end; see ``AsyncStore.update``.
+        """
+        self._refuse_held(key)
+        u = self._loop.run(self._a.begin_update(key, chunked=chunked))
+        held = self._held_keys()
+        held.add(key)
+        try:
+            yield u.value()
+        finally:
+            held.discard(key)
+            self._loop.run(self._a.end_update(u))
 
     def get(self, key: str, device: str | torch.device | None = None, index: Index = None,
             copy: bool = True) -> torch.Tensor:
@@ -133,6 +170,7 @@ class Store:
         A row gather of a committed sharded table whose pages are in the page cache is served on
         this thread without a hop to the loop (``AsyncStore.mapped_get``).
         """
+        self._refuse_held(key)
         if index is not None and device is None and self._loop is not None:
             got = self._a.mapped_get(key, index)
             if got is not None:
@@ -203,10 +241,12 @@ class Store:
 
     def delete(self, key: str) -> None:
         """Remove ``key`` from the head."""
+        self._refuse_held(key)
         self._loop.run(self._a.delete(key))
 
     def commit(self, step: int | None = None, message: str = "") -> int:
         """Make the head a durable, atomic version; returns its id."""
+        self._refuse_held(None)
         return self._loop.run(self._a.commit(step=step, message=message))
 
     def versions(self) -> list[Commit]:

@@ -12,8 +12,9 @@ One "step" updates ``--tensors`` fp32 tensors of ``--params-m`` million paramete
   size (>= 1: all of it stays in RAM; below 1 the rest is read from disk and written back).
 
 The two alternate for ``--repeats`` steps after one warm-up step each; the table shows the medians,
-the store's time split into AdamW's arithmetic, its reads (``get``) and its writes (``put``), and
-the minor page faults of one store step (fresh pages each read lands in). Every byte over the
+the store's time split into AdamW's arithmetic and the store's own calls (``update``: lending the
+state and taking it back), the minor page faults of one store step (fresh pages), and its disk
+bytes against the minimum for the budget (0 when the state fits). Every byte over the
 in-memory time is store traffic: what the trainer's ``optimizer_s`` minus ``optimizer_math_s``
 shows per training step.
 """
@@ -27,7 +28,7 @@ import resource
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -41,25 +42,44 @@ def _faults() -> int:
 
 
 class _Timed:
-    """A store proxy that adds up the seconds its ``get`` and ``put`` calls take."""
+    """A store proxy that adds up the seconds its ``get``, ``put`` and ``update`` calls take."""
 
     def __init__(self, store: Any) -> None:
         self._s = store
-        self.get_s = self.put_s = 0.0
+        self.store_s = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._s, name)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._s
 
     def get(self, *a: Any, **k: Any) -> torch.Tensor:
         t0 = time.perf_counter()
         try:
             return self._s.get(*a, **k)
         finally:
-            self.get_s += time.perf_counter() - t0
+            self.store_s += time.perf_counter() - t0
 
     def put(self, *a: Any, **k: Any) -> None:
         t0 = time.perf_counter()
         try:
             self._s.put(*a, **k)
         finally:
-            self.put_s += time.perf_counter() - t0
+            self.store_s += time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def update(self, *a: Any, **k: Any) -> Iterator[Any]:
+        t0 = time.perf_counter()
+        with contextlib.ExitStack() as stack:
+            lent = stack.enter_context(self._s.update(*a, **k))
+            self.store_s += time.perf_counter() - t0
+            try:
+                yield lent
+            finally:
+                t1 = time.perf_counter()
+                stack.close()
+                self.store_s += time.perf_counter() - t1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -103,39 +123,46 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for q, nm in zip(params, names, strict=True):
             store.put(nm, q.detach().clone())
+        store.commit()  # the initial writes are not a step's
         timed = _Timed(store)
         opt = StoreAdamW(timed, [names], set(), a.codec, contextlib.nullcontext())
         step = [0]
-        split: list[tuple[float, float, float, int]] = []
+        split: list[tuple[float, float, int, int, int]] = []
 
         def store_step() -> None:
             step[0] += 1
-            get0, put0, math0, f0 = timed.get_s, timed.put_s, opt.update_s, _faults()
+            st0 = store.stats()
+            s0, math0, f0 = timed.store_s, opt.update_s, _faults()
             opt.update_group(0, step[0], h, None, grads)
-            split.append((opt.update_s - math0, timed.get_s - get0, timed.put_s - put0, _faults() - f0))
+            st1 = store.stats()
+            split.append((opt.update_s - math0, timed.store_s - s0, _faults() - f0,
+                          st1["bytes_read_disk"] - st0["bytes_read_disk"],
+                          st1["bytes_written_disk"] - st0["bytes_written_disk"]))
 
         store_step()  # warm-up: moments start at zero, nothing to read
         plain.step()
         split.clear()
         t_store, t_plain = alternated_medians([store_step, plain.step], a.repeats)
-        last = split[len(split) // 2]
+        med = sorted(split, key=lambda r: r[0] + r[1])[len(split) // 2]
         gib = n * 4 / 2**30
+        state = n * 4 + moment_bytes
         print(f"{n / 1e6:.1f}M fp32 parameters in {a.tensors} tensors of {list(shape)} ({gib:.2f} GiB of "
               f"weights); moments {a.codec}; RAM budget {budget / 2**30:.2f} GiB ({a.ram_fraction:g} x "
               f"weights + moments); torch threads {torch.get_num_threads()}, load average "
               f"{os.getloadavg()[0]:.2f}; medians of {a.repeats} alternated steps")
-        table = [["in memory: torch.optim.AdamW(fused=True)", f"{t_plain:.3f}", "1.00x", "", "", "", ""],
+        mib = 2**20
+        table = [["in memory: torch.optim.AdamW(fused=True)", f"{t_plain:.3f}", "1.00x", "", "", "", "", ""],
                  ["store: StoreAdamW.update_group", f"{t_store:.3f}", f"{t_store / t_plain:.2f}x",
-                  f"{last[0]:.3f}", f"{last[1]:.3f}", f"{last[2]:.3f}", f"{last[3]}"]]
-        print(render_table(["side", "step s", "vs memory", "math s", "get s", "put s", "page faults"], table,
-                           right=["step s", "vs memory", "math s", "get s", "put s", "page faults"]))
+                  f"{med[0]:.3f}", f"{med[1]:.3f}", f"{med[2]}", f"{med[3] / mib:.0f}", f"{med[4] / mib:.0f}"]]
+        cols = ["side", "step s", "vs memory", "math s", "store s", "page faults", "read MiB", "written MiB"]
+        print(render_table(cols, table, right=cols[1:]))
+        least = max(0, state - budget)  # what does not fit is read, and written back, once a step
+        print(f"disk per step (median step): read {med[3] / mib:.0f} MiB, written {med[4] / mib:.0f} MiB; "
+              f"the minimum with this budget: {least / mib:.0f} MiB each way")
         # both sides ran the same steps on the same gradients: with raw moments, the same weights
         same = all(torch.equal(store.get(nm), q.detach()) for nm, q in zip(names, params, strict=True))
         print(f"weights after {a.repeats + 1} steps equal on both sides: {'yes' if same else 'NO'}"
               + ("" if a.codec == "raw" else f" (moments {a.codec}: not expected)"))
-        st = store.stats()
-        print(f"store: disk read {st['bytes_read_disk'] / 2**20:.0f} MiB, written "
-              f"{st['bytes_written_disk'] / 2**20:.0f} MiB in all; split and faults of the median step")
     finally:
         store.close(commit=False)
         if a.dir is None:

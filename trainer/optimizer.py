@@ -119,6 +119,19 @@ def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     param.addcdiv_(exp_avg, denom, value=-step_size)
 
 
+def adamw_update_many_(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+                       exp_avg_sqs: list[torch.Tensor], step: int, h: AdamWHyper, weight_decay: float) -> None:
+    """``adamw_update_`` of every ``(param, grad, exp_avg, exp_avg_sq)``: one fused call for fp32 CPU lists."""
+    if _FUSED is not None and all(t.device.type == "cpu" and t.dtype == torch.float32
+                                  for ts in (params, grads, exp_avgs, exp_avg_sqs) for t in ts):
+        steps = [torch.tensor(float(step)) for _ in params]
+        _FUSED(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
+               weight_decay=weight_decay, eps=h.eps, amsgrad=False, maximize=False)
+        return
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+        adamw_update_(p, g, m, v, step, h, weight_decay)
+
+
 class StoreAdamW:
     """AdamW whose every state tensor lives in a tierstore Store; one group updated at a time."""
 
@@ -131,6 +144,7 @@ class StoreAdamW:
         self.lock = lock
         self.update_s = 0.0
         """Seconds of AdamW arithmetic."""
+        self._clip_scratch: torch.Tensor | None = None
         self.busy_s = 0.0
         """Seconds of whole group updates: store reads and writes plus the arithmetic."""
 
@@ -142,13 +156,21 @@ class StoreAdamW:
                 tierstore.codecs.choose_codec(self.moment_codec, shape, "exp_avg_sq"))
 
     def accumulate(self, grads: dict[str, torch.Tensor], first: bool) -> dict[str, torch.Tensor]:
-        """Add one micro-batch's gradients to ``grad/<name>``; returns the running sums."""
+        """Add one micro-batch's gradients to ``grad/<name>`` in place; returns the running sums.
+
+        The sums returned are the store's own buffers only for the first micro-batch (the
+        caller's tensors, handed over); later ones are copies, read after the in-place add.
+        """
         out = {}
-        with self.lock:
-            for name, g in grads.items():
-                total = g if first else self.store.get(GRAD + name) + g
-                self.store.put(GRAD + name, total, codec="raw")
-                out[name] = total
+        for name, g in grads.items():
+            with self.lock:
+                if first:
+                    self.store.put(GRAD + name, g, codec="raw")
+                    out[name] = g
+                    continue
+                with self.store.update(GRAD + name) as total:
+                    total.add_(g)
+                out[name] = self.store.get(GRAD + name)
         return out
 
     def add_accumulated(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -156,40 +178,81 @@ class StoreAdamW:
         with self.lock:
             return {name: self.store.get(GRAD + name) + g for name, g in grads.items()}
 
+    def _scaled(self, grad: torch.Tensor, clip_coef: float) -> torch.Tensor:
+        """``grad * clip_coef`` (as torch's clipping computes it) in a scratch reused across calls."""
+        n = grad.numel()
+        if self._clip_scratch is None or self._clip_scratch.numel() < n:
+            self._clip_scratch = torch.empty(n, dtype=torch.float32)
+        out = self._clip_scratch[:n].view(grad.shape)
+        torch.mul(grad, clip_coef, out=out)
+        return out
+
     def update_group(self, g: int, step: int, h: AdamWHyper, clip_coef: float | None,
                      grads: dict[str, torch.Tensor] | None = None) -> None:
-        """Update group ``g`` at 1-based ``step``; gradients from ``grads`` or from the store."""
+        """Update group ``g`` at 1-based ``step``; gradients from ``grads`` or from the store.
+
+        Weights and moments are updated where they live in the store (``Store.update``, one
+        flat view per chunk): no copy and no fresh page for raw state in the RAM budget, and
+        no disk write until the budget or a commit needs one. Coded moments are decoded into
+        a scratch buffer and encoded back at the end of the update.
+        """
         start = time.perf_counter()
         for name in self.groups[g]:
-            with self.lock:
-                # host gets are private copies (test_host_gets_are_private_copies), so the
-                # update runs in place on them
-                param = self.store.get(name)
-                grad = grads[name] if grads is not None else self.store.get(GRAD + name)
-                if step == 1:  # a fresh run: moments start at zero whatever an old store holds
-                    m = torch.zeros_like(param)
-                    v = torch.zeros_like(param)
-                else:
-                    m = self.store.get(EXP_AVG + name).to(torch.float32)
-                    v = self.store.get(EXP_AVG_SQ + name).to(torch.float32)
-            t0 = time.perf_counter()
+            grad = grads[name] if grads is not None else self.store.get(GRAD + name)
+            grad = grad.to(torch.float32)
             if clip_coef is not None:
-                grad = grad * clip_coef  # torch multiplies by the clamped coefficient, 1.0 included
+                grad = self._scaled(grad, clip_coef)  # torch multiplies by the clamped coefficient, 1.0 included
             wd = 0.0 if name in self.no_decay else h.weight_decay
-            adamw_update_(param, grad.to(torch.float32), m, v, step, h, wd)
-            self.update_s += time.perf_counter() - t0
-            mc, vc = self._codecs(param)
-            with self.lock:
-                # param, m and v are this update's own tensors (private gets or fresh zeros),
-                # dropped right after: the store takes their memory instead of a copy
-                self.store.put(name, param, codec="raw", copy=False)
-                self.store.put(EXP_AVG + name, m, codec=mc, copy=False)
-                self.store.put(EXP_AVG_SQ + name, v, codec=vc, copy=False)
+            mc, vc = self._codecs(grad)
+            with contextlib.ExitStack() as stack:
+                with self.lock:
+                    if step == 1 or EXP_AVG + name not in self.store:
+                        # a fresh run: moments start at zero whatever an old store holds
+                        zeros = torch.zeros(grad.shape, dtype=torch.float32)
+                        self.store.put(EXP_AVG + name, zeros, codec=mc)
+                        self.store.put(EXP_AVG_SQ + name, zeros, codec=vc)
+                    params = stack.enter_context(self.store.update(name, chunked=True))
+                    ms = stack.enter_context(self.store.update(EXP_AVG + name, chunked=True))
+                    vs = stack.enter_context(self.store.update(EXP_AVG_SQ + name, chunked=True))
+                t0 = time.perf_counter()
+                # weights and moments of one shape usually share their chunks; where they do
+                # not (bf16 weights) each is cut where any of them has a chunk end: views only
+                bounds = _bounds(params, ms, vs)
+                adamw_update_many_(_cut(params, bounds), _cut([grad.reshape(-1)], bounds),
+                                   _cut(ms, bounds), _cut(vs, bounds), step, h, wd)
+                self.update_s += time.perf_counter() - t0
         end = time.perf_counter()
         self.busy_s += end - start
         trace = getattr(self.store, "trace_span", None)
         if trace is not None:
             trace(f"adamw {g}", "optimizer", start, end)
+
+
+def _cut(parts: list[torch.Tensor], bounds: list[int]) -> list[torch.Tensor]:
+    """Views of consecutive flat ``parts`` cut at every offset in ``bounds`` (sorted, ending at the total)."""
+    out: list[torch.Tensor] = []
+    it = iter(parts)
+    cur = next(it)
+    base = 0  # offset of ``cur`` in the whole
+    lo = 0
+    for hi in bounds:
+        while hi > base + cur.numel():  # pieces never straddle: every part end is a bound
+            base += cur.numel()
+            cur = next(it)
+        out.append(cur[lo - base : hi - base])
+        lo = hi
+    return out
+
+
+def _bounds(*lists: list[torch.Tensor]) -> list[int]:
+    """Every offset where a part of any of ``lists`` ends (the common refinement of their chunks)."""
+    ends: set[int] = set()
+    for parts in lists:
+        at = 0
+        for p in parts:
+            at += p.numel()
+            ends.add(at)
+    return sorted(ends)
 
 
 class UpdateWorker:

@@ -21,6 +21,12 @@ caller as it is, read-only by contract. Who owns what:
   allocation can hand out memory a borrower still reads;
 - a wait for room that could not succeed even with everything but the loans freed raises
   ``BudgetError`` at once: only the borrowers can give loans back, and the waiter may be one.
+
+Writable loans (``AsyncStore.update``): the store moves a chunk's entry to the new generation's
+id (``take_for_update``, no copy) and flags it ``updating`` until the caller releases it
+(``end_update``). An updating chunk is dirty and is neither evicted nor written back: its bytes
+are changing. Dirty chunks are written when the store asks (``dirty_lru``: a full budget, a
+commit), not when they are made.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ class HostEntry:
     adopted: bool = False
     #: a numpy view of ``data`` that every lent tensor's storage references (``lend``), else None
     root: np.ndarray | None = None
+    #: lent writable to an in-place update: not evicted, not written, until ``end_update``
+    updating: bool = False
 
     def borrowed(self) -> bool:
         """Whether a tensor lent from this buffer is still alive somewhere (any thread)."""
@@ -166,6 +174,44 @@ class HostTier:
         self.used -= buf.numel()
         self._freed.set()
 
+    def recycle(self, buf: torch.Tensor) -> None:
+        """Return an allocated buffer that was not inserted, kept (counted) for reuse as a spare."""
+        if self.budget is None:
+            self.release(buf)
+            return
+        self._spare.setdefault(buf.numel(), []).append(buf)
+        self._freed.set()
+
+    def take_for_update(self, old: ChunkId, new: ChunkId) -> torch.Tensor:
+        """Move a held chunk's buffer to ``new`` as a dirty chunk lent writable; returns the buffer.
+
+        The caller checked that nobody reads the old chunk's buffer (no loan, no pinned reader):
+        the move copies nothing, and the old id is no longer held.
+        """
+        e = self._entries.pop(old)
+        assert not e.borrowed() and not e.updating
+        e.root = None  # a later loan gets a root of its own
+        e.dirty = True
+        e.updating = True
+        self._entries[new] = e
+        return e.data
+
+    def insert_for_update(self, cid: ChunkId, data: torch.Tensor) -> None:
+        """Insert a copied-on-write buffer (from ``alloc``) as a dirty chunk lent writable."""
+        self.insert(cid, data, dirty=True)
+        self._entries[cid].updating = True
+
+    def end_update(self, cid: ChunkId) -> None:
+        """The writable loan of ``cid`` ended: it may now be written back (and then evicted)."""
+        e = self._entries.get(cid)
+        if e is not None:
+            e.updating = False
+            self._freed.set()
+
+    def dirty_lru(self) -> list[ChunkId]:
+        """Dirty chunks that may be written now (not lent writable), least recently used first."""
+        return [cid for cid, e in self._entries.items() if e.dirty and not e.updating]
+
     def insert(self, cid: ChunkId, data: torch.Tensor, dirty: bool, adopted: bool = False) -> None:
         """Insert a chunk whose buffer came from ``alloc``/``try_alloc`` (``adopted``: ``reserve``)."""
         old = self._entries.pop(cid, None)
@@ -198,6 +244,11 @@ class HostTier:
         if e.root is None:
             e.root = e.data.numpy()
         return torch.from_numpy(e.root)
+
+    def lent(self, cid: ChunkId) -> bool:
+        """Whether the chunk is held and a tensor lent from its buffer is still alive."""
+        e = self._entries.get(cid)
+        return e is not None and e.borrowed()
 
     def lent_bytes(self) -> int:
         """Bytes of buffers lent out now (cached chunks and dropped ones), all counted in ``used``."""
@@ -291,7 +342,7 @@ class HostTier:
         A lent chunk is passed over: evicting it would free nothing while its borrower reads it.
         """
         for cid, e in self._entries.items():
-            if not e.dirty and not e.borrowed():
+            if not e.dirty and not e.updating and not e.borrowed():
                 del self._entries[cid]
                 self._to_spare(e)
                 return True

@@ -70,6 +70,11 @@ class Model:
             t = self._tensors[vid] = value_tensor(vid, *self._specs[vid])
         return t
 
+    def register(self, vid: int, shape: tuple[int, ...], dtype: str) -> None:
+        """Give value ``vid`` (an update's, whose shape is the value it replaces) its shape and dtype."""
+        with self.lock:
+            self._specs[vid] = (shape, dtype)
+
     def fail(self, message: str) -> None:
         """Record a mismatch (the program fails)."""
         with self.lock:

@@ -32,6 +32,7 @@ FEATURES = (
     "sharded",  # puts in the sharded layout (inner chunks of a few rows in shard files)
     "adopt",  # puts with copy=False (the tensor's memory becomes the RAM tier's buffers)
     "lend",  # window gets with copy=False (the RAM tier's buffer lent), the last one held
+    "update",  # update(): the lent value checked against the model, overwritten in place
 )
 
 #: features that hit a known, unfixed store defect: their test variants are xfail(strict=False)
@@ -76,6 +77,7 @@ class Op:
     chunk_rows: int = 0  # put: rows per inner chunk of the sharded layout (0: one file per chunk)
     shard_rows: int = 0  # put: rows per shard file (0: the store's default)
     copy: bool = True  # put: False hands the tensor's memory over; get (device): False borrows
+    chunked: bool = False  # update: lent as one flat view per chunk
 
     def describe(self) -> str:
         """One line for a listing of the program."""
@@ -87,6 +89,8 @@ class Op:
                 what += f" chunk_rows={self.chunk_rows} shard_rows={self.shard_rows or None}"
             if not self.copy:
                 what += " copy=False"
+        elif k == "update":
+            what = f"update {self.key} -> v{self.vid}" + (" chunked" if self.chunked else "")
         elif k in ("get", "delete"):
             what = f"{k} {self.key}" + (" device" if self.device else "") + ("" if self.copy else " copy=False")
         elif k == "slice":
@@ -181,7 +185,11 @@ def _actor_op(rng: random.Random, actor: int, is_async: bool, all_keys: list[str
     own = owned_keys(actor)
     key = rng.choice(own)
     r = rng.random()
-    if r < 0.32:
+    if r < 0.32 and "update" in feats and rng.random() < 0.4:
+        # drawn only with the feature, so programs without it stay what their seeds gave before
+        vids[0] += 1
+        op = Op("update", actor, key, vid=vids[0], chunked=rng.random() < 0.5)
+    elif r < 0.32:
         vids[0] += 1
         shape = _shape(rng)
         chunk_rows = shard_rows = 0
@@ -208,7 +216,8 @@ def _actor_op(rng: random.Random, actor: int, is_async: bool, all_keys: list[str
     else:
         op = _read_op(rng, actor, key, feats)
     if is_async and ("cancel" in feats or "cancel_commit" in feats) and rng.random() < 0.25:
-        cancellable = ("put", "get", "slice", "gather", "delete", "prefetch") if "cancel" in feats else ()
+        cancellable = ("put", "get", "slice", "gather", "delete", "prefetch", "update") \
+            if "cancel" in feats else ()
         if op.kind == "commit" and "cancel_commit" not in feats:
             return op
         if op.kind not in cancellable and op.kind != "commit":

@@ -212,6 +212,8 @@ class Runner:
                          lambda s: s.put(op.key, t.clone(), op.codec, **layout), finish_put)
         if kind in READ_KINDS:
             return self._prepare_read(op)
+        if kind == "update":
+            return self._prepare_update(op)
         if kind == "delete":
             before = m.candidates(op.key)
 
@@ -274,6 +276,65 @@ class Runner:
             return _Call(step, lambda s: s.mark_step(), lambda r, e, c: None if e is None else
                          self._unexpected(op, e))
         raise AssertionError(f"not an actor operation: {kind}")
+
+    def _prepare_update(self, op: Op) -> _Call:
+        """An update of an own key: the lent value must be one the model allows; it becomes ``op.vid``."""
+        m = self.model
+        began = [False]
+
+        def body(lent: Any) -> None:
+            flat = lent if op.chunked else [lent.reshape(-1)]
+            whole = torch.cat([p.reshape(-1) for p in flat]) if flat else None
+            cands = m.candidates(op.key)
+
+            def same(v: int) -> bool:
+                want = m.tensor(v)
+                if whole is None:
+                    return want.numel() == 0
+                if not op.chunked and tuple(lent.shape) != tuple(want.shape):
+                    return False
+                return same_tensor(whole, want.reshape(-1))
+
+            ok = {v for v in cands if v != ABSENT and same(v)}
+            if not ok:
+                got = "nothing" if whole is None else f"{whole.dtype}{list(whole.shape)} {whole[:6].tolist()}"
+                m.fail(f"{op.describe()} lent {got}, which no allowed value {sorted(cands)} equals")
+                raise _Stop
+            m.narrow(op.key, ok)
+            like = m.tensor(min(ok))
+            m.register(op.vid, tuple(like.shape), str(like.dtype).removeprefix("torch."))
+            m.write_begin(op.key, op.vid)
+            began[0] = True
+            new = m.tensor(op.vid).reshape(-1)
+            at = 0
+            for p in flat:
+                p.reshape(-1).copy_(new[at : at + p.numel()])
+                at += p.numel()
+
+        async def run_async(a: tierstore.AsyncStore) -> None:
+            async with a.update(op.key, chunked=op.chunked) as lent:
+                body(lent)
+
+        def run_sync(s: tierstore.Store) -> None:
+            with s.update(op.key, chunked=op.chunked) as lent:
+                body(lent)
+
+        def finish(res: Any, exc: BaseException | None, cancelled: bool) -> None:
+            if isinstance(exc, _Stop):
+                raise exc
+            if exc is None and not cancelled:
+                m.write_end(op.key, op.vid, "done")
+                return
+            if began[0]:
+                m.write_end(op.key, op.vid, "unknown")
+            if isinstance(exc, KeyNotFound):
+                if ABSENT not in m.candidates(op.key):
+                    m.fail(f"{op.describe()} raised KeyNotFound but the key exists")
+                m.narrow(op.key, {ABSENT})
+            elif not cancelled and not self._allowed(exc):  # type: ignore[arg-type]
+                self._unexpected(op, exc)  # type: ignore[arg-type]
+
+        return _Call(run_async, run_sync, finish)
 
     def _prepare_read(self, op: Op) -> _Call:
         m = self.model

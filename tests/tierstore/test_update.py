@@ -1,0 +1,224 @@
+"""store.update(key): writable loans of the RAM tier's buffers, against a plain tensor reference."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+import tierstore
+from tierstore.errors import KeyNotFound, ReadOnlyError, StoreError
+
+CHUNK = 64 << 10  # 16,384 fp32 values a chunk
+
+
+def _open(path, budget="4MiB", **kw):
+    return tierstore.open(path, "a", ram_budget=budget, chunk_bytes=CHUNK, device="cpu",
+                          device_budget=None, **kw)
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (77,), (5, 16384 // 2 + 3), ()])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_updates_equal_the_same_ops_on_a_plain_tensor_and_survive_reopen(tmp_path, shape, chunked) -> None:
+    ref = torch.randn(shape)
+    with _open(tmp_path / "s") as s:
+        s.put("w", ref.clone())
+        for step in range(3):
+            with s.update("w", chunked=chunked) as t:
+                views = t if chunked else [t.reshape(-1)]
+                for v in views:
+                    v.mul_(0.5).add_(step)
+            ref.mul_(0.5).add_(step)
+            assert torch.equal(s.get("w"), ref)
+    with tierstore.open(tmp_path / "s", "r") as r:
+        assert torch.equal(r.get("w"), ref)
+        assert r.verify() == []
+
+
+def test_an_update_in_the_budget_moves_no_byte_allocates_no_buffer_and_writes_nothing(tmp_path) -> None:
+    with _open(tmp_path / "s", budget="8MiB") as s:
+        s.put("w", torch.randn(4, 16384))  # 4 chunks
+        s.commit()
+        st0 = s.stats()
+        with s.update("w", chunked=True) as parts:
+            ptrs = [p.data_ptr() for p in parts]
+        for _ in range(5):
+            with s.update("w", chunked=True) as parts:
+                assert [p.data_ptr() for p in parts] == ptrs  # the same RAM-tier buffers
+                for p in parts:
+                    p.add_(1)
+        st = s.stats()
+        assert st["host_fresh_buffers"] == st0["host_fresh_buffers"]
+        assert st["bytes_written_disk"] == st0["bytes_written_disk"]
+        assert st["bytes_read_disk"] == st0["bytes_read_disk"]
+        assert st["bytes_copied_on_write"] == 0
+        s.commit()  # the commit writes the changed state once
+        written = s.stats()["bytes_written_disk"] - st0["bytes_written_disk"]
+        assert 4 * 16384 * 4 <= written < 4 * 16384 * 4 + 16384
+
+
+def test_a_committed_version_stays_readable_after_in_place_updates(tmp_path) -> None:
+    v0 = torch.randn(2, 16384)
+    with _open(tmp_path / "s", keep_last=3) as s:
+        s.put("w", v0.clone())
+        first = s.commit()
+        with s.update("w", chunked=True) as parts:
+            for p in parts:
+                p.fill_(7)
+        s.commit()
+        with tierstore.open(tmp_path / "s", "r", version=first) as r:
+            assert torch.equal(r.get("w"), v0)
+        assert torch.equal(s.get("w"), torch.full_like(v0, 7))
+
+
+def test_a_loaned_buffer_is_copied_on_write_never_changed_under_its_reader(tmp_path) -> None:
+    v0 = torch.randn(16384)
+    with _open(tmp_path / "s") as s:
+        s.put("w", v0.clone())
+        lent = s.get("w", device="cpu", copy=False)
+        with s.update("w") as t:
+            assert t.data_ptr() != lent.data_ptr()
+            t.add_(1)
+        assert torch.equal(lent, v0)
+        assert torch.equal(s.get("w"), v0 + 1)
+        assert s.stats()["bytes_copied_on_write"] >= v0.numel() * 4
+
+
+def test_a_reader_waits_for_the_update_and_sees_all_of_it(tmp_path) -> None:
+    with _open(tmp_path / "s") as s:
+        s.put("w", torch.zeros(3, 16384))
+        seen: list[torch.Tensor] = []
+        started = threading.Event()
+
+        def reader() -> None:
+            started.set()
+            seen.append(s.get("w"))
+
+        with s.update("w", chunked=True) as parts:
+            th = threading.Thread(target=reader)
+            th.start()
+            started.wait()
+            time.sleep(0.05)
+            assert not seen  # still waiting
+            for p in parts:
+                p.fill_(1)
+        th.join(timeout=30)
+        assert len(seen) == 1 and bool((seen[0] == 1).all())
+
+
+def test_a_commit_in_another_thread_waits_for_an_in_place_update(tmp_path) -> None:
+    with _open(tmp_path / "s") as s:
+        s.put("w", torch.zeros(16384))
+        done: list[int] = []
+        with s.update("w") as t:
+            th = threading.Thread(target=lambda: done.append(s.commit()))
+            th.start()
+            time.sleep(0.05)
+            assert not done
+            t.fill_(3)
+        th.join(timeout=30)
+        assert done
+    with tierstore.open(tmp_path / "s", "r") as r:
+        assert bool((r.get("w") == 3).all())
+
+
+def test_touching_the_key_from_the_updating_thread_is_refused_not_a_hang(tmp_path) -> None:
+    with _open(tmp_path / "s") as s:
+        s.put("w", torch.zeros(10))
+        with s.update("w") as t:
+            for call in (lambda: s.get("w"), lambda: s.put("w", t), lambda: s.delete("w"),
+                         lambda: s.commit()):
+                with pytest.raises(StoreError, match="lent to an update"):
+                    call()
+            with pytest.raises(StoreError):
+                with s.update("w"):
+                    pass
+        assert torch.equal(s.get("w"), torch.zeros(10))
+
+
+def test_bad_updates_are_refused_by_name(tmp_path) -> None:
+    with _open(tmp_path / "s") as s:
+        with pytest.raises(KeyNotFound):
+            with s.update("missing"):
+                pass
+        s.put("w", torch.zeros(4))
+        s.commit()
+    with tierstore.open(tmp_path / "s", "r") as r:
+        with pytest.raises(ReadOnlyError):
+            with r.update("w"):
+                pass
+
+
+def test_an_exception_in_the_block_keeps_what_it_wrote(tmp_path) -> None:
+    with _open(tmp_path / "s") as s:
+        s.put("w", torch.zeros(8))
+        with pytest.raises(RuntimeError, match="boom"):
+            with s.update("w") as t:
+                t[:4] = 1
+                raise RuntimeError("boom")
+        assert torch.equal(s.get("w"), torch.tensor([1.0] * 4 + [0.0] * 4))
+        with s.update("w") as t:  # the key was given back
+            t.zero_()
+        assert torch.equal(s.get("w"), torch.zeros(8))
+
+
+@pytest.mark.parametrize("codec", ["q8", "zstd"])
+def test_coded_tensors_update_through_a_scratch_and_encode_like_a_put(tmp_path, codec) -> None:
+    x = torch.randn(64, 300)
+    with _open(tmp_path / "s") as s:
+        s.put("m", x, codec=codec)
+        s.put("ref", x, codec=codec)
+        with s.update("m") as t:
+            t.mul_(2)
+        s.put("ref", s.get("ref") * 2, codec=codec)
+        assert torch.equal(s.get("m"), s.get("ref"))
+        assert s.info("m").codec == s.info("ref").codec
+
+
+def test_state_larger_than_the_budget_is_written_back_as_room_is_needed(tmp_path) -> None:
+    keys = [f"k{i}" for i in range(12)]
+    ref = {k: torch.full((16384,), float(i)) for i, k in enumerate(keys)}
+    with _open(tmp_path / "s", budget=str(6 * CHUNK)) as s:  # half the state fits
+        for k in keys:
+            s.put(k, ref[k].clone())
+        for _ in range(3):
+            for k in keys:
+                with s.update(k) as t:
+                    t.add_(1)
+                ref[k].add_(1)
+        for k in keys:
+            assert torch.equal(s.get(k), ref[k]), k
+        assert s.stats()["peak_host_bytes"] <= 6 * CHUNK
+    with tierstore.open(tmp_path / "s", "r") as r:
+        for k in keys:
+            assert torch.equal(r.get(k), ref[k]), k
+
+
+def test_a_cancelled_update_start_leaves_the_key_free(tmp_path) -> None:
+    async def main() -> None:
+        s = await tierstore.open_async(tmp_path / "s", "w", ram_budget="4MiB", chunk_bytes=CHUNK,
+                                       device="cpu", device_budget=None)
+        try:
+            await s.put("w", torch.zeros(8, 16384))
+            await s.commit()
+            await s.close()
+            s = await tierstore.open_async(tmp_path / "s", "a", ram_budget="4MiB", chunk_bytes=CHUNK,
+                                           device="cpu", device_budget=None)
+            task = asyncio.ensure_future(s.begin_update("w", chunked=True))
+            await asyncio.sleep(0)  # started: loading from disk
+            task.cancel()
+            try:
+                u = await task
+                await s.end_update(u)  # it got through before the cancellation: fine too
+            except asyncio.CancelledError:
+                pass
+            async with s.update("w") as t:
+                t.add_(1)
+            assert torch.equal(await s.get("w"), torch.ones(8, 16384))
+        finally:
+            await s.close()
+
+    asyncio.run(main())
