@@ -11,7 +11,7 @@
 
 A field that is missing from the table (a newer transformers) is warned about when it is set.
 ``convert`` applies the table and returns the light ``trainer.TrainingArguments``; the table in
-the README is generated from it by ``python -m tools.hf_args_table``.
+docs/hf-trainer.md is generated from it by ``python -m tools.hf_args_table``.
 """
 
 from __future__ import annotations
