@@ -86,6 +86,12 @@ def test_readme_python_block_runs(block: Block, tmp_path: os.PathLike[str]) -> N
     assert r.returncode == 0, f"README.md line {block.line} ({block.name}) failed:\n{r.stderr[-3000:]}"
 
 
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors of a Markdown page's headings (lower case, punctuation dropped, - for spaces)."""
+    heads = re.findall(r"^#+\s+(.*)$", re.sub(r"```.*?```", "", text, flags=re.S), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
 def test_relative_links_in_the_readme_and_docs_exist() -> None:
     pages = [README] + [os.path.join(ROOT, "docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs")))
                         if f.endswith(".md")]
@@ -93,12 +99,17 @@ def test_relative_links_in_the_readme_and_docs_exist() -> None:
     for page in pages:
         with open(page, encoding="utf-8") as f:
             text = f.read()
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", text):
             if "://" in target or target.startswith("mailto:"):
                 continue
-            if not os.path.exists(os.path.join(os.path.dirname(page), target)):
+            path = os.path.join(os.path.dirname(page), target) if target else page
+            if not os.path.exists(path):
                 missing.append(f"{os.path.relpath(page, ROOT)}: {target}")
-    assert not missing, "links to missing files:\n" + "\n".join(missing)
+            elif anchor and path.endswith(".md"):
+                with open(path, encoding="utf-8") as f:
+                    if anchor not in anchors(f.read()):
+                        missing.append(f"{os.path.relpath(page, ROOT)}: {target}#{anchor}")
+    assert not missing, "links to missing files or headings:\n" + "\n".join(missing)
 
 
 def test_block_extraction_names_and_skips() -> None:
@@ -106,3 +117,5 @@ def test_block_extraction_names_and_skips() -> None:
     a, b = python_blocks(text)
     assert (a.name, a.code, a.skip) == ("A", "x = 1\n", None)
     assert (b.name, b.skip) == ("A 2", "needs a GPU")
+    assert anchors("## Data parallel (torchrun)\n## What it guarantees, and what not\n") == {
+        "data-parallel-torchrun", "what-it-guarantees-and-what-not"}
