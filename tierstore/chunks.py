@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from tierstore.checksums import checksum
 from tierstore.codecs import Codec
 from tierstore.dtypes import as_bytes
 from tierstore.layout import ChunkGrid
-from tierstore.tiers.disk import checksum
 
 #: (first element inside the chunk, end element inside the chunk, offset in the destination)
 Piece = tuple[int, int, int]

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tierstore.checksums import TRAILER, checksum
 from tierstore.codecs.base import Codec
 from tierstore.dtypes import dtype_name, zarr_data_type, zarr_fill_value
 from tierstore.layout import ChunkGrid
@@ -31,7 +32,6 @@ from tierstore.layout import ChunkGrid
 #: logical bytes of one shard file when ``put`` is not told ``shard_rows``
 DEFAULT_SHARD_BYTES = 64 * 2**20
 _EMPTY = 2**64 - 1  # zarr's index entry of an absent inner chunk
-TRAILER = 4  # crc32c bytes after each inner chunk's payload
 
 
 def shard_count(grid: ChunkGrid, shard: int) -> int:
@@ -84,8 +84,6 @@ def shard_index(payload_sizes: list[int], shard: int) -> bytes:
     ``payload_sizes``: the stored payloads of the shard's inner chunks, in order; the
     positions past them (an edge shard) are absent.
     """
-    from tierstore.tiers.disk import checksum  # disk imports this module
-
     table = np.full((shard, 2), _EMPTY, dtype="<u8")
     at = 0
     for j, n in enumerate(payload_sizes):

@@ -2,8 +2,8 @@
 
     python -m tools.bench_generate [--quick] [--rounds 3] [--new 16] [--big-batch 32] [--dir DIR] [--device cpu]
 
-A Llama-style model is built from a config (no downloads; about 23.4M parameters by default, as in
-issue 14's measurement). Greedy generation of ``--new`` tokens after a ``--prompt``-token prompt runs
+A Llama-style model is built from a config (no downloads; about 23.4M parameters by default, the size
+of the figures in docs/benchmarks.md). Greedy generation of ``--new`` tokens after a ``--prompt``-token prompt runs
 
 - in memory: transformers' ``model.generate`` (batch 1 and ``--big-batch``);
 - accelerate: ``accelerate.disk_offload`` of the same weights (batch 1): every weight is read from

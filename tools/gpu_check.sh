@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The prepared run on a lent GPU machine (one H200; python3 3.12 with torch, transformers,
-# safetensors, aiofiles, tqdm, matplotlib, pytest; no network). One command, <= 9 minutes:
-#   run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=590)
+# The prepared check for a GPU machine without network access (python3 3.12 with torch,
+# transformers, safetensors, aiofiles, tqdm, matplotlib, pytest). One command, <= 9 minutes,
+# run from a checkout with .whl/ beside it: bash tools/gpu_check.sh (docs/gpu.md).
 # The missing packages (lmdb, zarr, numcodecs, crc32c and their deps) travel as Python 3.12
 # wheels in .whl/ (`bash tools/gpu_wheels.sh` fetches them on a machine with PyPI). At most 8
 # files land in $OUT: nvidia-smi.txt, install.log, cuda_tests.txt, suite_cuda.txt (the whole
@@ -65,10 +65,10 @@ if { [ "$DEVICE" = cuda ] || [ -n "${SUITE:-}" ]; } && [ "$SUITE_TIMEOUT_S" -gt 
   echo "pytest rc=$? after $(( $(date +%s) - start )) s" >> "$OUT/suite_cuda.txt"
 fi
 
-# Generation on the GPU (issue 14's goals): mt.generate with a 2-layer window against
+# Generation on the GPU (the goals in docs/benchmarks.md): mt.generate with a 2-layer window against
 # transformers in memory and accelerate's disk_offload, all computing on the same device; then
-# the CPU AdamW over store-resident state against torch's fused AdamW in memory (issue 11: at
-# 1.1B the streaming step's optimizer took 10 s, its arithmetic a small part).
+# the CPU AdamW over store-resident state against torch's fused AdamW in memory (at
+# 1.1B the streaming step's optimizer took 10 s on an H200 host, its arithmetic a small part).
 {
   timeout "${GENERATE_TIMEOUT_S:-60}" "$PY" -m tools.bench_generate --device "$DEVICE" \
     $( [ "$DEVICE" = cuda ] || echo "--quick --rounds 1 --hidden 128 --intermediate 256 --layers 4" )

@@ -1,7 +1,7 @@
-"""The README's table of every transformers.TrainingArguments field: honoured, warned or refused.
+"""The table of every transformers.TrainingArguments field (honoured, warned or refused) in docs/hf-trainer.md.
 
-    python -m tools.hf_args_table              print the table (Markdown)
-    python -m tools.hf_args_table --write README.md   replace the table between its markers
+    python -m tools.hf_args_table                               print the table (Markdown)
+    python -m tools.hf_args_table --write docs/hf-trainer.md    replace the table between its markers
 
 The rows come from ``dataclasses.fields(transformers.TrainingArguments)`` (so none is left out)
 and the status and reason from ``trainer.hf_args.POLICY``; a field the policy does not know is
@@ -14,6 +14,8 @@ import argparse
 import dataclasses
 import sys
 
+#: the page that holds the table (relative to the repository root); a test keeps it current
+DOC = "docs/hf-trainer.md"
 START = "<!-- hf-args-table:start -->"
 END = "<!-- hf-args-table:end -->"
 

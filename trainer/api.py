@@ -28,7 +28,7 @@ import tierstore.config
 from tierstore.export import write_safetensors
 from trainer import distributed, memory
 from trainer import model as model_mod
-from trainer.args import TrainingArguments, from_hf_args, learning_rate_at
+from trainer.args import TrainingArguments, learning_rate_at
 from trainer.callbacks import TrainerControl, TrainerState, build_handler
 from trainer.checkpoint import (
     NO_CHECKPOINT,
@@ -47,6 +47,7 @@ from trainer.data import (
     micro_batches_per_epoch,
     step_batches,
 )
+from trainer.hf_args import from_hf_args
 from trainer.io_account import StepAccount
 from trainer.model import ModelParts, decompose
 from trainer.optimizer import EXP_AVG, EXP_AVG_SQ, AdamWHyper, StoreAdamW, UpdateWorker

@@ -1,11 +1,12 @@
 """Training arguments (transformers' field names) and the learning-rate schedules.
 
 ``TrainingArguments`` is a light dataclass for users without transformers' own (which needs
-accelerate); ``from_hf_args`` reads a ``transformers.TrainingArguments`` field by field through
-``trainer.hf_args``, which honours, warns about or refuses every one of its fields by name. The
-light class has the fields, defaults and meaning of transformers' (5.x) for everything it holds,
-so transformers' own callbacks (``DefaultFlowCallback``, ``TensorBoardCallback``) read it as they
-read theirs. The schedule lambdas copy the formulas of ``transformers.optimization`` so that a
+accelerate); ``trainer.hf_args.from_hf_args`` reads a ``transformers.TrainingArguments`` field by
+field into it, honouring, warning about or refusing every one of its fields by name. This module
+is below ``trainer.hf_args`` and imports nothing from it: the conversion needs the light class,
+never the other way round. The light class has the fields, defaults and meaning of
+transformers' (5.x) for everything it holds, so transformers' own callbacks
+(``DefaultFlowCallback``, ``TensorBoardCallback``) read it as they read theirs. The schedule lambdas copy the formulas of ``transformers.optimization`` so that a
 run here follows the same learning-rate curve.
 """
 
@@ -205,18 +206,6 @@ class TrainingArguments:
 
 def _enum_value(v: Any) -> Any:
     return getattr(v, "value", v)
-
-
-def from_hf_args(hf_args: Any) -> TrainingArguments:
-    """The light arguments with the values of a ``transformers.TrainingArguments``.
-
-    Every field is honoured, warned about or refused by name (``trainer.hf_args.POLICY``).
-    """
-    if isinstance(hf_args, TrainingArguments):
-        return hf_args
-    from trainer.hf_args import convert
-
-    return convert(hf_args)
 
 
 def lr_lambda(kind: str, step: int, warmup: int, total: int, num_cycles: float = 0.5) -> float:

@@ -10,8 +10,9 @@
   because training would silently mean something else.
 
 A field that is missing from the table (a newer transformers) is warned about when it is set.
-``convert`` applies the table and returns the light ``trainer.TrainingArguments``; the table in
-the README is generated from it by ``python -m tools.hf_args_table``.
+``convert`` applies the table and returns the light ``trainer.TrainingArguments``
+(``from_hf_args`` also takes a light one as it is); the table in
+docs/hf-trainer.md is generated from it by ``python -m tools.hf_args_table``.
 """
 
 from __future__ import annotations
@@ -249,3 +250,13 @@ def convert(hf_args: Any) -> TrainingArguments:
                 v = 0.0
             values[name] = v
     return TrainingArguments(**values)
+
+
+def from_hf_args(hf_args: Any) -> TrainingArguments:
+    """The light arguments for ``hf_args``: a light ``TrainingArguments`` as it is, transformers' converted.
+
+    Every field of transformers' class is honoured, warned about or refused by name (``POLICY``).
+    """
+    if isinstance(hf_args, TrainingArguments):
+        return hf_args
+    return convert(hf_args)

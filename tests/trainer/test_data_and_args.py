@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from trainer.args import TrainingArguments, from_hf_args, learning_rate_at
+from trainer.args import TrainingArguments, learning_rate_at
 from trainer.data import (
     ByteTokenizer,
     collate,
@@ -17,6 +17,7 @@ from trainer.data import (
     stdlib_source_files,
     step_batches,
 )
+from trainer.hf_args import from_hf_args
 
 
 def test_corpus_is_the_stdlib_read_deterministically() -> None:

@@ -257,12 +257,12 @@ def test_cli_errors_are_one_line(tmp_path: Any, capsys: Any) -> None:
     assert "only decoder-only causal LMs" in err
 
 
-def test_readme_table_lists_every_field_and_is_current() -> None:
-    from tools.hf_args_table import END, START, table
+def test_hf_args_table_lists_every_field_and_is_current() -> None:
+    from tools.hf_args_table import DOC, END, START, table
 
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
-    block = readme.split(START, 1)[1].split(END, 1)[0].strip()
-    assert block == table().strip(), "run: python -m tools.hf_args_table --write README.md"
+    page = open(os.path.join(os.path.dirname(__file__), "..", "..", DOC)).read()
+    block = page.split(START, 1)[1].split(END, 1)[0].strip()
+    assert block == table().strip(), f"run: python -m tools.hf_args_table --write {DOC}"
 
 
 def test_report_to_tensorboard_without_tensorboard_warns_and_jsonl_still_written(

@@ -20,13 +20,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
-import crc32c
-
+# crc_trailer is re-exported: the store imports it with the disk tier's names
+from tierstore.checksums import checksum, crc_trailer
 from tierstore.errors import CorruptData, DiskError
 from tierstore.faults import FaultPlan, pwritev_limited
 from tierstore.keys import generation_relpath, parse_generation_relpath
 from tierstore.layout import ChunkGrid
 from tierstore.shards import shard_key
+
+__all__ = ["IOV_MAX", "Buffer", "DiskTier", "Inner", "OpenFiles", "Run", "SyncLedger", "checksum", "coalesce", "crc_trailer"]
 
 Buffer = memoryview
 #: one run of adjacent inner chunks: (file offset, [(chunk index, crc32c, payload buffers)])
@@ -67,11 +69,6 @@ def _load_syncfs() -> Callable[[int], int] | None:
 _syncfs = _load_syncfs()
 
 
-def crc_trailer(crc: int) -> bytes:
-    """The 4-byte little-endian crc32c trailer."""
-    return crc.to_bytes(4, "little")
-
-
 def _consume(views: list[memoryview], n: int) -> list[memoryview]:
     """The buffers left to transfer after ``n`` more bytes went through (short reads/writes)."""
     while views and n >= len(views[0]):
@@ -80,14 +77,6 @@ def _consume(views: list[memoryview], n: int) -> list[memoryview]:
     if n:
         views = [views[0][n:], *views[1:]]
     return views
-
-
-def checksum(parts: Sequence[Buffer]) -> int:
-    """crc32c over the concatenation of ``parts``."""
-    value = 0
-    for p in parts:
-        value = crc32c.crc32c(p, value)
-    return value
 
 
 class SyncLedger:

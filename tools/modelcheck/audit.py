@@ -1,4 +1,4 @@
-"""The audit of exceptions that escape the store's public API (issue 10).
+"""The audit of exceptions that escape the store's public API.
 
 Every exception that escapes the public API must be a ``StoreError`` subclass or a documented
 Python one (``TypeError``/``ValueError`` for arguments of the wrong type or value). ``install``
@@ -19,7 +19,7 @@ import tierstore
 import tierstore.api
 from tierstore.errors import StoreError
 
-#: what may escape a public call (issue 10's rule)
+#: what may escape a public call: the store's own errors and Python's for bad arguments
 ALLOWED_ESCAPES = (StoreError, TypeError, ValueError)
 #: "Class.method raised Type: message" of each other exception that escaped, in order
 ESCAPED: list[str] = []

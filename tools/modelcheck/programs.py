@@ -36,11 +36,12 @@ FEATURES = (
 )
 
 #: features that hit a known, unfixed store defect: their test variants are xfail(strict=False)
-#: until it is fixed (feature -> the defect's issue and number); empty since issue 10 landed
+#: until it is fixed (feature -> a description of the defect); empty while none is known
 KNOWN: dict[str, str] = {}
 
-#: features whose defects (issue 10: 2 cancelled commit, 4 get racing a put, 5 full disk) need
-#: committed data that is no longer in RAM: their programs begin with a setup phase that makes it
+#: features whose past defects (a cancelled commit still landing, a get racing a put of its key,
+#: a full disk) showed only on committed data that is no longer in RAM: their programs begin
+#: with a setup phase that makes it
 EVICTED_START = ("cancel_commit", "cross_reads", "full_disk")
 
 #: every feature without a known defect
