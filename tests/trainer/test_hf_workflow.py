@@ -19,8 +19,8 @@ from plain_reference import build, llama_config
 import tierstore
 import trainer as mt
 from tools.cli import main as cli_main
-from trainer.args import TrainingArguments, from_hf_args
-from trainer.hf_args import POLICY, REFUSED, WARNED
+from trainer.args import TrainingArguments
+from trainer.hf_args import POLICY, REFUSED, WARNED, from_hf_args
 
 
 def _init(vram: str = "1MiB") -> None:
