@@ -22,6 +22,7 @@ from tierstore.chunks import decode_into, pieces_by_chunk
 from tierstore.config import StoreConfig
 from tierstore.errors import BudgetError, InvalidIndex, StoreError
 from tierstore.leases import PinTable
+from tierstore.plan import AccessPlan
 from tierstore.prefetch import AccessPredictor
 from tierstore.records import GenRecord
 from tierstore.shards import TRAILER, ShardMap
@@ -61,6 +62,7 @@ class ReadPath:
     _read_sem: asyncio.Semaphore | None
     _shard_maps: dict[int, ShardMap]
     _borrows: BorrowTable
+    _plan: AccessPlan | None
     config: StoreConfig
 
     if TYPE_CHECKING:  # helpers AsyncStore defines
@@ -635,7 +637,9 @@ class ReadPath:
             except BudgetError:
                 buf = None  # RAM full of chunks that cannot be written (ENOSPC): read uncached
         elif cache == "try":
-            buf = self._host.try_alloc(n)
+            # a read ahead along the plan pushes out only what is needed later than it
+            plan = self._plan
+            buf = self._host.try_alloc(n, above=-1.0 if plan is None else plan.distance(rec.key))
         reserved = buf is not None
         if buf is None:
             buf = torch.empty(n, dtype=torch.uint8)
@@ -701,10 +705,21 @@ class ReadPath:
     async def _prefetch_host(self, rec: GenRecord) -> None:
         self._pins.pin(rec.generation)
         try:
+            plan = self._plan
+            above = -1.0 if plan is None else plan.distance(rec.key)
             for i in range(rec.grid.n_chunks):
-                if not self._host.holds((rec.generation, i)):
-                    await self._load_chunk(rec, i, cache="try")
-                    self.stats_counters.prefetched_chunks += 1
+                cid = (rec.generation, i)
+                if self._host.holds(cid):
+                    continue
+                if cid not in self._reads:
+                    # a hint reads only into room it has: never a read the RAM tier drops again
+                    room = self._host.try_alloc(rec.chunks[i][0], above=above)
+                    if room is None:
+                        return
+                    self._host.recycle(room)  # the read below takes it as a spare
+                    del room  # a spare still referenced is not reused
+                await self._load_chunk(rec, i, cache="try")
+                self.stats_counters.prefetched_chunks += 1
         except StoreError:
             self.stats_counters.prefetch_errors += 1  # a hint failed; the real read reports it
         finally:

@@ -57,6 +57,7 @@ from tierstore.keys import validate_key
 from tierstore.layout import ChunkGrid, zarr_metadata
 from tierstore.leases import LEASE_DIR, PinTable, ReaderLease, leased_generations
 from tierstore.mapped import MappedGather
+from tierstore.plan import AccessPlan
 from tierstore.prefetch import AccessPredictor
 from tierstore.reads import ReadPath
 from tierstore.records import Commit, GenRecord, TensorInfo
@@ -127,6 +128,8 @@ class AsyncStore(ReadPath):
         #: crc32c of chunks changed in place, computed when they are written (``CRC_PENDING``)
         self._late_crcs: dict[tuple[int, int], int] = {}
         self._finishing = 0  # updates through a scratch whose new generation is being made
+        self._plan: AccessPlan | None = None  # the order of updates, when the caller gave it
+        self._gen_keys: dict[int, str] = {}  # the key of every generation the RAM tier may hold
         assert config.device is not None
         self._window = DeviceWindow(config.device, config.device_budget)
         self._window.attach_staging(self._host)  # pinned copy buffers in the RAM budget (CUDA only)
@@ -244,6 +247,7 @@ class AsyncStore(ReadPath):
         gens = head.generations if head is not None else {}
         recs = self._catalog.records(self._catalog.generation_ids())
         self._records = dict(recs)
+        self._gen_keys = {g: r.key for g, r in recs.items()}
         self._delete_orphans()
         self._head = {k: recs[g] for k, g in gens.items()}
         self._committed = {g for c in self._commits for g in c.generations.values()}
@@ -547,6 +551,8 @@ class AsyncStore(ReadPath):
         self._check_writable()
         validate_key(key)
         self._record(key)  # KeyNotFound before waiting
+        if self._plan is not None and self._plan.touch(key):
+            self._plan_ahead()
         await self._borrows.acquire(key, update=True)
         try:
             rec = self._record(key)
@@ -560,6 +566,53 @@ class AsyncStore(ReadPath):
             raise
         self.stats_counters.updates += 1
         return u
+
+    def plan(self, keys: Sequence[str] | None) -> None:
+        """Declare the order in which the workload updates ``keys``, cycle after cycle (None: forget it).
+
+        The RAM tier then evicts and writes back what the plan needs last, and reads ahead
+        what it needs next, so that a cycle over state larger than the budget moves the
+        minimum of bytes (``tierstore.plan``). Keys need not exist yet.
+        """
+        self._check_open()
+        if keys is None:
+            self._plan = None
+            self._host.rank = None
+            return
+        plan = AccessPlan(keys)
+        gen_keys = self._gen_keys
+
+        def rank(cid: tuple[int, int]) -> float:
+            return plan.distance(gen_keys.get(cid[0]))
+
+        self._plan = plan
+        self._host.rank = rank
+
+    def _plan_ahead(self) -> None:
+        """Along the plan: start writing back what is needed last, and read ahead what comes next."""
+        plan, budget = self._plan, self._host.budget
+        if plan is None or budget is None or self._closing:
+            return
+        # one key ahead (at least a chunk): enough to overlap its read with this update, and
+        # every byte read ahead is a byte of state that cannot stay (more reads a cycle)
+        nxt = self._head.get(plan.upcoming()[0])
+        ahead = min(budget // 8, max(nxt.stored_nbytes if nxt is not None else 0,
+                                     self.config.chunk_bytes or 0, 1))
+        if self._host.reclaimable() < ahead:
+            self._start_write_back()
+        want: list[str] = []
+        seen = 0
+        for key in plan.upcoming():
+            rec = self._head.get(key)
+            if rec is None or key in self._borrows:
+                continue
+            seen += rec.stored_nbytes
+            if seen > ahead and want:
+                break
+            if not all(self._host.holds((rec.generation, i)) for i in range(rec.grid.n_chunks)):
+                want.append(key)
+        if want:
+            self._prefetch_keys(want, "host")
 
     def _in_place_ok(self, rec: GenRecord) -> bool:
         budget = self._host.budget
@@ -628,6 +681,7 @@ class AsyncStore(ReadPath):
             parts.append(buf[: rec.grid.span(i)[1] * dtype.itemsize].view(dtype))
         new = dataclasses.replace(rec, generation=new_gen,
                                   chunks=tuple((nb, CRC_PENDING) for nb, _ in rec.chunks))
+        self._gen_keys[new_gen] = rec.key
         self._head[rec.key] = new
         self._borrows.mark_in_place(rec.key)
         if g not in self._committed:
@@ -722,6 +776,7 @@ class AsyncStore(ReadPath):
         # nothing on the put's own path touches the disk: folders and files are write-behind,
         # started now, or (``lazy``, not sharded) when the budget or a commit needs them
         assert not (lazy and (shard or adopt))
+        self._gen_keys[gen] = key
         tasks: list[asyncio.Task[None]] = [] if lazy else self._writes.setdefault(gen, [])
         dirs: asyncio.Task[None] | None = None
 
@@ -890,6 +945,7 @@ class AsyncStore(ReadPath):
             del self._deferred[g]
             for i in range(n_chunks):
                 self._late_crcs.pop((g, i), None)
+            self._gen_keys.pop(g, None)
             self._host.drop_generation(g, n_chunks)
             self._window.forget(g)
             self._shard_maps.pop(g, None)

@@ -224,6 +224,14 @@ class Store:
         """Hint that ``keys`` will be read soon; loading starts in the background (``wait``: finish)."""
         self._loop.run(self._a.prefetch(keys, to=to, wait=wait))  # type: ignore[arg-type]
 
+    def plan(self, keys: Sequence[str] | None) -> None:
+        """Declare the order the workload updates ``keys`` in, cycle after cycle (None: forget it).
+
+        Eviction and write-back then let go of what is needed last, and reads run ahead along
+        it: state larger than the RAM budget moves the minimum of bytes a cycle.
+        """
+        self._loop.call(self._a.plan, keys if keys is None or isinstance(keys, str) else list(keys))
+
     def mark_step(self) -> None:
         """Close a step of the access trace (the predictor learns the order)."""
         self._loop.call(self._a.mark_step)

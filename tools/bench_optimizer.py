@@ -82,6 +82,31 @@ class _Timed:
                 self.store_s += time.perf_counter() - t1
 
 
+def disk_rate(folder: str, nbytes: int, piece: int) -> tuple[float, float]:
+    """Seconds to write ``nbytes`` in files of ``piece`` bytes (pwrite + fdatasync each) and read them back."""
+    buf = os.urandom(min(piece, nbytes))
+    paths = [os.path.join(folder, f"rate.{i}") for i in range(-(-nbytes // len(buf)))]
+    t0 = time.perf_counter()
+    for p in paths:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.pwrite(fd, buf, 0)
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    t1 = time.perf_counter()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.pread(fd, len(buf), 0)
+        finally:
+            os.close(fd)
+    t2 = time.perf_counter()
+    for p in paths:
+        os.unlink(p)
+    return t1 - t0, t2 - t1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Time both sides, print the table and the ratio."""
     import tierstore
@@ -158,7 +183,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(render_table(cols, table, right=cols[1:]))
         least = max(0, state - budget)  # what does not fit is read, and written back, once a step
         print(f"disk per step (median step): read {med[3] / mib:.0f} MiB, written {med[4] / mib:.0f} MiB; "
-              f"the minimum with this budget: {least / mib:.0f} MiB each way")
+              f"the minimum with this budget: {least / mib:.0f} MiB each way "
+              f"({max(med[3], med[4]) / max(least, 1):.2f}x)" if least else
+              f"disk per step (median step): read {med[3] / mib:.0f} MiB, written {med[4] / mib:.0f} MiB "
+              "(the state fits the budget: the minimum is 0)")
+        if least:
+            w_s, r_s = disk_rate(folder, least, store.config.chunk_bytes or 16 * mib)
+            floor = max(t_plain, w_s + r_s)
+            print(f"this disk moves the minimum in {w_s:.3f} s written (fdatasync'd, as the store writes) + "
+                  f"{r_s:.3f} s read = {w_s + r_s:.3f} s; the step's floor max(in memory, disk) = "
+                  f"{floor:.3f} s; store step {t_store / floor:.2f}x the floor")
         # both sides ran the same steps on the same gradients: with raw moments, the same weights
         same = all(torch.equal(store.get(nm), q.detach()) for nm, q in zip(names, params, strict=True))
         print(f"weights after {a.repeats + 1} steps equal on both sides: {'yes' if same else 'NO'}"

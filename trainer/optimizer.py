@@ -145,6 +145,11 @@ class StoreAdamW:
         self.update_s = 0.0
         """Seconds of AdamW arithmetic."""
         self._clip_scratch: torch.Tensor | None = None
+        # the order of updates is known: the store evicts and writes back what comes last and
+        # reads ahead what comes next (state larger than the RAM budget moves the fewest bytes)
+        plan = getattr(store, "plan", None)
+        if plan is not None:
+            plan([k for names in groups for n in names for k in (n, EXP_AVG + n, EXP_AVG_SQ + n)])
         self.busy_s = 0.0
         """Seconds of whole group updates: store reads and writes plus the arithmetic."""
 

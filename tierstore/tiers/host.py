@@ -100,6 +100,9 @@ class HostTier:
         self._freed = asyncio.Event()
         #: called when a reservation cannot wait any longer; returns a reason or None to wait
         self.explain_stuck: Callable[[], str | None] = lambda: None
+        #: how late a chunk is needed again (an access plan); the highest goes first, when set:
+        #: evicted first, written back first. None: least recently used first
+        self.rank: Callable[[ChunkId], float] | None = None
 
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
         self.fresh_buffers += 1
@@ -111,12 +114,13 @@ class HostTier:
         """Whether a chunk of ``nbytes`` can ever be held."""
         return self.budget is None or nbytes <= self.budget
 
-    def try_alloc(self, nbytes: int) -> torch.Tensor | None:
+    def try_alloc(self, nbytes: int, above: float = -1.0) -> torch.Tensor | None:
         """A buffer of ``nbytes`` counted in the budget, evicting clean chunks; None if full.
 
         Buffers of dropped and evicted chunks become spares, and a spare of the same size is
         handed over as it is: in steady state the tier recycles its buffers instead of
-        faulting in fresh pages for every chunk.
+        faulting in fresh pages for every chunk. ``above``: evict only chunks ranked higher
+        (needed later than what the buffer is for: a read ahead never pushes out what comes first).
         """
         if self._held:
             self._reclaim()
@@ -125,7 +129,7 @@ class HostTier:
                 self.used += nbytes
                 self.peak = max(self.peak, self.used)
                 return self._new_buffer(nbytes)
-            if not (self._free_one_spare() or self._evict_one()):
+            if not (self._free_one_spare() or self._evict_one(above)):
                 return None
         return spare  # its bytes stay counted: they move to the new owner
 
@@ -209,8 +213,19 @@ class HostTier:
             self._freed.set()
 
     def dirty_lru(self) -> list[ChunkId]:
-        """Dirty chunks that may be written now (not lent writable), least recently used first."""
-        return [cid for cid, e in self._entries.items() if e.dirty and not e.updating]
+        """Dirty chunks that may be written now (not lent writable): needed last first (``rank``),
+        else least recently used first."""
+        out = [cid for cid, e in self._entries.items() if e.dirty and not e.updating]
+        if self.rank is not None:
+            out.sort(key=self.rank, reverse=True)  # stable: least recently used first among equals
+        return out
+
+    def reclaimable(self) -> int:
+        """Bytes an allocation could get now without a write: free, spare, or clean and unlent."""
+        free = (self.budget - self.used) if self.budget is not None else 0
+        free += sum(size * len(bufs) for size, bufs in self._spare.items())
+        return free + sum(e.data.numel() for e in self._entries.values()
+                          if not e.dirty and not e.updating and not e.borrowed())
 
     def insert(self, cid: ChunkId, data: torch.Tensor, dirty: bool, adopted: bool = False) -> None:
         """Insert a chunk whose buffer came from ``alloc``/``try_alloc`` (``adopted``: ``reserve``)."""
@@ -336,14 +351,23 @@ class HostTier:
         """Chunks not yet on disk."""
         return sum(e.dirty for e in self._entries.values())
 
-    def _evict_one(self) -> bool:
-        """Make the least recently used clean chunk's buffer a spare; False if none is clean.
+    def _evict_one(self, above: float = -1.0) -> bool:
+        """Make a clean chunk's buffer a spare: the one needed last (``rank``), else the least
+        recently used; only one ranked over ``above``. False if there is none.
 
         A lent chunk is passed over: evicting it would free nothing while its borrower reads it.
         """
+        rank = self.rank
+        victim, best = None, above
         for cid, e in self._entries.items():
             if not e.dirty and not e.updating and not e.borrowed():
-                del self._entries[cid]
-                self._to_spare(e)
-                return True
-        return False
+                if rank is None:
+                    victim = cid
+                    break
+                r = rank(cid)
+                if r > best:
+                    victim, best = cid, r
+        if victim is None:
+            return False
+        self._to_spare(self._entries.pop(victim))
+        return True

@@ -167,6 +167,11 @@ class Runner:
     def _open(self, mode: str, version: int | None = None) -> tierstore.Store:
         s = tierstore.open(self.path, mode=mode, device="cpu", version=version, **self.p.config)
         s._loop.loop.set_exception_handler(self._on_loop_error)
+        if mode != "r" and "update" in self.p.features and self.p.seed % 2:
+            # half the programs that update run under an access plan (eviction by plan distance)
+            keys = self.p.keys()
+            random.Random(self.p.seed).shuffle(keys)
+            s.plan(keys)
         return s
 
     def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:

@@ -1,0 +1,58 @@
+"""An access plan: the keys a workload reads and updates, in the order it does, over and over.
+
+A training step visits its state in a known order (the optimizer's parameter groups, the layers
+of a forward pass). Given that order, ``store.plan(keys)``, the RAM tier keeps what is needed
+soonest and lets go of what is needed last (the chunks just used, in a cycle: Belady's choice,
+which an LRU cache gets exactly wrong), writes back the dirty chunks needed last first, and reads
+ahead along the plan. With state of ``S`` bytes in a budget of ``B`` a cycle then reads and
+writes ``S - B`` bytes, the minimum, instead of all of ``S``.
+
+The plan is a ``dict`` from key to position and a cursor (the position of the last plan key
+read or updated); the distance of a key is how many plan steps until it is needed again. Owned
+by the store's event loop thread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from tierstore.errors import StoreError
+from tierstore.keys import validate_key
+
+
+class AccessPlan:
+    """A cyclic order of keys and where in it the workload is now."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        if isinstance(keys, str):
+            raise StoreError("plan() takes a sequence of keys, not one key")
+        self.keys = list(keys)
+        self.position: dict[str, int] = {}
+        for i, k in enumerate(self.keys):
+            validate_key(k)
+            if k in self.position:
+                raise StoreError(f"plan(): key {k!r} appears twice; a plan visits each key once a cycle")
+            self.position[k] = i
+        self.cursor = -1
+
+    def touch(self, key: str) -> bool:
+        """``key`` is being read or updated now; False if it is not in the plan."""
+        i = self.position.get(key)
+        if i is None:
+            return False
+        self.cursor = i
+        return True
+
+    def distance(self, key: str | None) -> float:
+        """Plan steps until ``key`` is needed (0: the key in use now, the last one touched; the
+        one before it is needed last); infinite for a key not in the plan."""
+        i = self.position.get(key) if key is not None else None
+        if i is None:
+            return math.inf
+        return (i - self.cursor) % len(self.keys)
+
+    def upcoming(self) -> list[str]:
+        """The plan's keys from the next one on, once round."""
+        n = len(self.keys)
+        return [self.keys[(self.cursor + 1 + j) % n] for j in range(n)]
