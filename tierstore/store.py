@@ -438,7 +438,13 @@ class AsyncStore(ReadPath):
     def _chunk_crc(self, rec: GenRecord, i: int) -> int:
         """The crc32c of chunk ``i`` of ``rec``: in the record, or computed when it was written."""
         crc = rec.chunks[i][1]
-        return self._late_crcs[(rec.generation, i)] if crc == CRC_PENDING else crc
+        if crc != CRC_PENDING:
+            return crc
+        late = self._late_crcs.get((rec.generation, i))
+        if late is None:  # never written and no longer in RAM: the generation was dropped
+            raise StoreError(f"generation {rec.generation} of {rec.key!r} was replaced before this "
+                             "read reached it; read the key again")
+        return late
 
     def _resolve_crcs(self, rec: GenRecord) -> GenRecord:
         """``rec`` with the crcs its chunks got when they were written (a commit publishes this)."""
