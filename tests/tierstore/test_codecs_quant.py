@@ -508,3 +508,30 @@ def test_calibrated_rounding_edge_cases() -> None:
         assert torch.equal(_round_trip(cal, torch.full((4, 8), 0.5)), torch.full((4, 8), 0.5))
     with pytest.raises(tierstore.CodecError, match="rounding"):
         quant.quantize(torch.ones(8), 4, 8, True, mode="dither")
+
+
+def test_auto_compiles_a_kernel_once_its_eager_work_repays_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small chunks run eagerly until their kernel has covered COMPILE_AFTER_ELEMENTS elements
+    (an optimizer state re-encoded every step), then that kernel alone is compiled."""
+    built: list[tuple] = []
+
+    def fake_compile(fn):  # records what would be compiled; runs eagerly
+        built.append(fn)
+        return fn
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(quant, "_COMPILED", {})
+    monkeypatch.setattr(quant, "_EAGER_ELEMENTS", {})
+    monkeypatch.setattr(quant, "COMPILE_AFTER_ELEMENTS", 3000)
+    x = torch.randn(32, 40)  # 1280 elements
+    for _ in range(3):
+        quant.quantize(x, 4, 128, True)
+    assert not built  # eager while fewer than 3000 elements were done before the call
+    assert quant._EAGER_ELEMENTS[("encode", 4, True, "nearest")] == 2560 + 1280
+    quant.quantize(x, 4, 128, True)
+    assert list(quant._COMPILED) == [("encode", 4, True, "nearest")]
+    quant.set_compile("never")
+    try:
+        quant.quantize(x.abs(), 4, 128, False)
+        assert ("encode", 4, False, "nearest") not in quant._COMPILED
+    finally:
+        quant.set_compile("auto")

@@ -351,17 +351,25 @@ def _decode_matrix(rows: torch.Tensor, cols: torch.Tensor, packed: torch.Tensor,
 
 
 # inductor-compiled twins of the two kernels (one fused loop each instead of ~20 eager passes),
-# one per (kernel, bits, signed, rounding mode) so those stay constants; sizes are dynamic. Built on
-# first use of a large chunk: compiling costs seconds that small chunks never repay.
+# one per (kernel, bits, signed, rounding mode) so those stay constants; sizes are dynamic.
+# Compiling costs seconds (less with inductor's on-disk cache warm), which one small chunk never
+# repays but an optimizer state re-encoded every step repays within a few steps. So "auto" builds
+# a kernel on first use of a large chunk, or once its eager runs have covered
+# COMPILE_AFTER_ELEMENTS elements in this process (about a second of eager work: at 4.33M params
+# the moments of two AdamW steps), whichever comes first.
 _COMPILED: dict[tuple[str, int, bool, str], Callable[..., Any]] = {}
+#: elements each kernel has run eagerly so far, towards COMPILE_AFTER_ELEMENTS
+_EAGER_ELEMENTS: dict[tuple[str, int, bool, str], int] = {}
 #: rounding modes of the encoder; decoding is the same for all of them (see the module doc)
 MODES = ("nearest", "stochastic", "calibrated")
 COMPILE_MIN_ELEMENTS = 1 << 20
+COMPILE_AFTER_ELEMENTS = 1 << 23
 _compile_mode = "auto"
 
 
 def set_compile(mode: str) -> None:
-    """Choose the kernels: "auto" (compiled for chunks >= 1 Mi elements), "always" or "never"."""
+    """Choose the kernels: "auto" (compiled for chunks >= 1 Mi elements, and for any chunk once
+    the kernel has encoded or decoded 8 Mi elements eagerly), "always" or "never"."""
     global _compile_mode
     if mode not in ("auto", "always", "never"):
         raise CodecError(f"compile mode must be 'auto', 'always' or 'never', got {mode!r}")
@@ -383,9 +391,12 @@ def _eager(name: str, bits: int, signed: bool, mode: str = "nearest") -> Callabl
 def _run(name: str, n: int, bits: int, signed: bool, mode: str, *args: torch.Tensor) -> Any:
     """Run kernel ``name``, compiled when worth it; a failing compile falls back to eager."""
     key = (name, bits, signed, mode)
-    if _compile_mode == "never" or (_compile_mode == "auto" and n < COMPILE_MIN_ELEMENTS):
-        return _eager(*key)(*args)
     fn = _COMPILED.get(key)
+    if _compile_mode == "never" or (_compile_mode == "auto" and fn is None and n < COMPILE_MIN_ELEMENTS):
+        done = _EAGER_ELEMENTS.get(key, 0)
+        if _compile_mode == "never" or done < COMPILE_AFTER_ELEMENTS:
+            _EAGER_ELEMENTS[key] = done + n
+            return _eager(*key)(*args)
     if fn is None:
         # dynamo caches compiled variants per code object, and all variants share the code of
         # ``_eager``'s closures: 4 widths x 2 modes x 3 roundings x 2 kernels overflow its
