@@ -535,3 +535,65 @@ def test_auto_compiles_a_kernel_once_its_eager_work_repays_it(monkeypatch: pytes
         assert ("encode", 4, False, "nearest") not in quant._COMPILED
     finally:
         quant.set_compile("auto")
+
+
+def test_q5_packs_five_bit_planes_and_beats_q4() -> None:
+    """5-bit codes: 8 codes a 40-bit word, in 5 byte planes (the 3-bit layout, wider)."""
+    codes = torch.randint(0, 32, (64,), dtype=torch.uint8)
+    packed = quant._pack(codes, 5)
+    q = 8
+    words = [sum(int(codes[j + k * q]) << (5 * k) for k in range(8)) for j in range(q)]
+    assert packed.tolist() == [(w >> (8 * b)) & 255 for b in range(5) for w in words]
+    assert torch.equal(quant._unpack(packed, 5), codes)
+    m, _ = synthetic_moments(1 << 16, seed=0)
+    x = m.view(256, 256)
+    q5, q4 = codecs.get("q5"), codecs.get("q4")
+    assert _rel_err(_round_trip(q5, x), x) < 0.6 * _rel_err(_round_trip(q4, x), x)
+    assert q5.encoded_nbytes(x.shape) == 4 * 512 + x.numel() * 5 // 8
+
+
+def test_dynamic_exponent_map_with_block_scales() -> None:
+    """signed_map="de" is Li et al.'s 4-bit map; scales="block" stores row maxima only."""
+    levels = quant.de_levels(4)
+    assert len(levels) == 16 and levels[0] == -0.8875 and levels[-1] == 1.0 and 0.0 in levels
+    assert min(abs(v) for v in levels if v) == pytest.approx(0.0055)
+    codec = codecs.get("q4", signed_map="de", scales="block")
+    assert codec.spec()["signed_map"] == "de" and codecs.from_spec(codec.spec()) == codec
+    x = torch.randn(300, 128) * torch.logspace(-6, 0, 128)
+    assert codec.encoded_nbytes(x.shape) == 4 * 300 + 300 * 128 // 2  # no column scales
+    y = _round_trip(codec, x)
+    s = x.abs().amax(dim=1, keepdim=True)
+    # every value decodes to a level of the map times its row's maximum, the nearest one
+    table = torch.tensor(levels)
+    want = table[(x / s - table[:, None, None]).abs().argmin(0)] * s
+    assert torch.allclose(y, want, rtol=1e-6, atol=0)
+
+
+def test_dithered_rounding_is_unbiased_and_decodes_only_with_its_dither() -> None:
+    x = torch.tensor([1.0, 0.3, -0.6, 0.05, -0.01, 0.7, 0.0, -1.0])
+    dither = codecs.get("q4", rounding="dither")
+    torch.manual_seed(0)
+    draws = [torch.stack([x, torch.ones(8), torch.rand(8) * 0.5]) for _ in range(2000)]
+    mean = torch.stack([_round_trip(dither, d)[0] for d in draws]).mean(0)
+    assert torch.allclose(mean, x, atol=0.01), mean
+    m, _ = synthetic_moments(1 << 16, seed=1)
+    big = m.view(256, 256)
+    data = dither.encode(big)
+    back = dither.decode(memoryview(data.numpy()), (256, 256), torch.float32)
+    plain = codecs.get("q4").decode(memoryview(data.numpy()), (256, 256), torch.float32)
+    assert _rel_err(back, big) < _rel_err(plain, big)  # the decoder takes the dither off
+    with pytest.raises(tierstore.CodecError, match="dither"):
+        codecs.get("q4", signed=False, rounding="dither")
+
+
+def test_new_formats_are_new_spec_values_and_old_specs_read_unchanged() -> None:
+    """A spec without signed_map is the width's own map (what older releases wrote); naming that
+    map keeps the spec as it was; the new values are refused by older readers by name."""
+    old = {"name": "q4", "signed": True, "block": 128, "rounding": "stochastic", "scales": "rank1"}
+    assert codecs.from_spec(old).spec() == old
+    assert codecs.get("q4", signed_map="sqrt").spec() == codecs.get("q4").spec()
+    assert codecs.get("q3", signed_map="linear").spec() == codecs.get("q3").spec()
+    with pytest.raises(tierstore.CodecError, match="signed_map must be one of"):
+        codecs.get("q4", signed_map="log")
+    with pytest.raises(tierstore.CodecError, match="scales must be one of"):
+        codecs.from_spec({**old, "scales": "tiles"})
