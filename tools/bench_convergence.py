@@ -27,8 +27,8 @@ a grid cut short, or split over several processes, still reports what finished.
 The record: ``--runs-jsonl FILE`` also skips every run FILE already holds (same codec specs,
 size, lr, seed, steps, batch; ``tools.convergence_runs``), so a grid grows run by run across
 invocations. ``--grid`` is the standing one, recorded in ``docs/convergence/runs.jsonl``:
-1.1M, 4.33M and 14.4M params x lr 1e-3, 3e-3 x seeds 0, 1 x fp32, q8 and q4, 300 steps, smallest
-first; ``--max-minutes M`` starts no run that would end after M minutes (by the time the same
+1.1M, 4.33M and 14.4M params x lr 1e-3, 3e-3 x seeds 0, 1 x fp32, q8, q4 with dithered ``m``
+and the same with ``m`` at q5, 300 steps, smallest first; ``--max-minutes M`` starts no run that would end after M minutes (by the time the same
 size and codec took before). ``--from-jsonl docs/convergence/runs.jsonl --markdown
 docs/convergence/README.md --png docs/convergence/curves.png`` regenerates the table and the
 curves from the record.
@@ -239,7 +239,7 @@ def report(cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]], firs
 GRID_SIZES = "128x4,256x4,384x6"
 GRID_LRS = "1e-3,3e-3"
 GRID_SEEDS = 2
-GRID_CODECS = "q8,q4"
+GRID_CODECS = "q8,q4:dither/stochastic,q4:dither/stochastic+m=q5"
 GRID_STEPS = 300
 DEFAULT_CODECS = "q8,q4,q3,q2,q4:nearest,q2:nearest"
 

@@ -338,7 +338,7 @@ def test_bad_specs_raise(params: dict) -> None:
 
 def test_bad_bits_dtype_and_length_raise() -> None:
     with pytest.raises(tierstore.CodecError, match="unknown codec"):
-        codecs.get("q5")
+        codecs.get("q6")
     with pytest.raises(tierstore.CodecError, match="bits"):
         quant.check_params(5, 128, True)
     codec = codecs.get("q4")
@@ -553,11 +553,12 @@ def test_q5_packs_five_bit_planes_and_beats_q4() -> None:
 
 
 def test_dynamic_exponent_map_with_block_scales() -> None:
-    """signed_map="de" is Li et al.'s 4-bit map; scales="block" stores row maxima only."""
+    """signed_map="de" is Li et al.'s 4-bit map; scales="absmax" stores row maxima only (a new
+    name: 0.1.0's per-block layout, which had no name, stays refused)."""
     levels = quant.de_levels(4)
     assert len(levels) == 16 and levels[0] == -0.8875 and levels[-1] == 1.0 and 0.0 in levels
     assert min(abs(v) for v in levels if v) == pytest.approx(0.0055)
-    codec = codecs.get("q4", signed_map="de", scales="block")
+    codec = codecs.get("q4", signed_map="de", scales="absmax")
     assert codec.spec()["signed_map"] == "de" and codecs.from_spec(codec.spec()) == codec
     x = torch.randn(300, 128) * torch.logspace(-6, 0, 128)
     assert codec.encoded_nbytes(x.shape) == 4 * 300 + 300 * 128 // 2  # no column scales

@@ -87,10 +87,10 @@ COMPANDED_BITS = (2, 4, 5, 8)
 #: maps of the signed grid: "sqrt" (the companded grid), "linear", "de" (dynamic exponent); the
 #: width's default is sqrt, linear at q3 (COMPANDED_BITS)
 SIGNED_MAPS = ("sqrt", "linear", "de")
-#: scale layouts: "rank1" (row and column maxima, min of the two) or "block" (the block view
+#: scale layouts: "rank1" (row and column maxima, min of the two) or "absmax" (the block view
 #: always, each row of ``block`` elements scaled by its own maximum only: the per-block absmax
 #: of Li et al. and bitsandbytes)
-SCALE_LAYOUTS = ("rank1", "block")
+SCALE_LAYOUTS = ("rank1", "absmax")
 # largest log2 maximum (in LOG_UNITS) whose power of two is a finite float32
 MAX_LOG = 128 * LOG_UNITS - 1
 # lowest per-row lower bound (in LOG_UNITS): 256 octaves below the scale, past any float32 ratio

@@ -9,7 +9,7 @@ with per-block scales and no such key; those bytes mean something else, so a spe
 key is refused with an error that says so, instead of being decoded into wrong values.
 
 Format versions after that are new parameter values, never new meanings of old ones: ``scales:
-"block"`` (per-block absmax, no column scales), ``signed_map: "linear" | "de"`` (absent: the
+"absmax"`` (per-block absmax, no column scales), ``signed_map: "linear" | "de"`` (absent: the
 width's own map, as before the key existed), ``rounding: "dither"`` (its decoder differs). A
 reader of an older release refuses such a spec by the parameter's name ("scales must be one
 of", "rounding must be one of", "unexpected keyword argument 'signed_map'") instead of
