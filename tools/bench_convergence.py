@@ -23,46 +23,61 @@ mean over seeds, smoothed) of each codec against fp32 (needs matplotlib). ``--ru
 appends every finished run (its cell, seed, losses and curve) to FILE as it ends, and
 ``--from-jsonl FILE`` prints the tables (and ``--png``) of the runs in FILE without training:
 a grid cut short, or split over several processes, still reports what finished.
+
+The record: ``--runs-jsonl FILE`` also skips every run FILE already holds (same codec specs,
+size, lr, seed, steps, batch; ``tools.convergence_runs``), so a grid grows run by run across
+invocations. ``--grid`` is the standing one, recorded in ``docs/convergence/runs.jsonl``:
+1.1M, 4.33M and 14.4M params x lr 1e-3, 3e-3 x seeds 0, 1 x fp32, q8, q4 with dithered ``m``
+and the same with ``m`` at q5, 300 steps, smallest first; ``--max-minutes M`` starts no run that would end after M minutes (by the time the same
+size and codec took before). ``--from-jsonl docs/convergence/runs.jsonl --markdown
+docs/convergence/README.md --png docs/convergence/curves.png`` regenerates the table and the
+curves from the record.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from tierstore import codecs
-from tierstore.codecs.policy import choose_codec
-from tools.moments import byte_batches, lm_loss, stdlib_bytes, tiny_model
+from tierstore.errors import CodecError
+from tools import convergence_runs
+from tools.moments import byte_batches, lm_loss, moment_codec_pair, stdlib_bytes, tiny_model
 
 
 def round_trip_states(opt: torch.optim.Optimizer, requested: str) -> tuple[int, int]:
     """Replace every AdamW moment by its codec round trip; (quantized, total) element counts.
 
-    ``requested`` is a codec name, optionally with a rounding suffix: ``"q2:stochastic"``, or
-    m's and v's apart: ``"q4:calibrated/stochastic"``.
+    ``requested`` is a codec request in ``tools.moments.moment_codec_pair``'s grammar: a codec
+    name, optionally with a rounding suffix (``"q2:stochastic"``, or m's and v's apart:
+    ``"q4:calibrated/stochastic"``) and parameters of m's codec (``"q4+signed_map=de"``).
     """
-    name, _, rounding = requested.partition(":")
-    m_round, _, v_round = rounding.partition("/")
     quantized = total = 0
+    pairs = _PAIRS.setdefault(requested, {})
     for st in opt.state.values():
-        for role in ("exp_avg", "exp_avg_sq"):
+        m = st["exp_avg"]
+        shape = tuple(m.shape)
+        if shape not in pairs:
+            pairs[shape] = moment_codec_pair(requested, shape)
+        pair = pairs[shape]
+        total += 2 * m.numel()
+        if pair is None:
+            continue
+        for role, codec in zip(("exp_avg", "exp_avg_sq"), pair, strict=True):
             t = st[role]
-            codec = choose_codec(name, tuple(t.shape), role)
-            total += t.numel()
             if codec.lossless:
                 continue
-            r = m_round if role == "exp_avg" else (v_round or m_round)
-            if r:
-                codec = codecs.get(name, **{**codec.params(), "rounding": r})
             data = codec.encode(t)
-            st[role].copy_(codec.decode(memoryview(data.numpy()), tuple(t.shape), t.dtype))
+            t.copy_(codec.decode(memoryview(data.numpy()), shape, t.dtype))
             quantized += t.numel()
     return quantized, total
+
+
+#: requested codec -> shape -> (m codec, v codec): resolved once, not per step
+_PAIRS: dict[str, dict[tuple[int, ...], Any]] = {}
 
 
 def train(requested: str | None, steps: int, hidden: int, layers: int, batch: int, seq: int,
@@ -81,7 +96,7 @@ def train(requested: str | None, steps: int, hidden: int, layers: int, batch: in
     eval_batches = [next(held) for _ in range(8)]
     losses: list[float] = []
     share = (0, 1)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         x, y = next(batches)
         opt.zero_grad(set_to_none=True)
@@ -98,6 +113,7 @@ def train(requested: str | None, steps: int, hidden: int, layers: int, batch: in
     tail = losses[-max(1, steps // 10):]
     return {"train": sum(tail) / len(tail), "held-out": held_out,
             "quantized": share[0] / share[1], "seconds": time.perf_counter() - t0,
+            "cpu_seconds": time.process_time() - c0,
             "curve": losses}
 
 
@@ -189,11 +205,8 @@ def plot_grid(cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]], p
 def cells_from_jsonl(path: str) -> dict[tuple[str, float], dict[str, list[dict[str, Any]]]]:
     """The grid cells of the runs in a ``--runs-jsonl`` file; seeds without an fp32 run are dropped."""
     by_seed: dict[tuple[str, float], dict[int, dict[str, dict[str, Any]]]] = {}
-    with open(path) as f:
-        for line in f:
-            if line.strip():
-                r = json.loads(line)
-                by_seed.setdefault((r["size"], r["lr"]), {}).setdefault(r["seed"], {})[r["codec"]] = r
+    for r in convergence_runs.load(path):
+        by_seed.setdefault((r["size"], r["lr"]), {}).setdefault(r["seed"], {})[r["codec"]] = r
     cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]] = {}
     for key, seeds in by_seed.items():
         paired = {s: rs for s, rs in sorted(seeds.items()) if "fp32" in rs}
@@ -222,12 +235,22 @@ def report(cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]], firs
                   f"worst seed {seeds[worst].get('seed', first_seed + worst)} {w:+.2%}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Train fp32 and one run per codec for each seed (and grid cell); print the paired gaps."""
+#: the grid of ``--grid``: sizes (1.1M, 4.33M, 14.4M params) x learning rates x seeds x runs
+GRID_SIZES = "128x4,256x4,384x6"
+GRID_LRS = "1e-3,3e-3"
+GRID_SEEDS = 2
+GRID_CODECS = "q8,q4:dither/stochastic,q4:dither/stochastic+m=q5"
+GRID_STEPS = 300
+DEFAULT_CODECS = "q8,q4,q3,q2,q4:nearest,q2:nearest"
+
+
+def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300, help="training steps per run")
-    ap.add_argument("--codecs", default="q8,q4,q3,q2,q4:nearest,q2:nearest",
-                    help="comma-separated codec names, each optionally NAME:ROUNDING")
+    ap.add_argument("--codecs", default=None,
+                    help=f"default {DEFAULT_CODECS} ({GRID_CODECS} with --grid): "
+                         "comma-separated codec requests, each NAME[:ROUNDING][+KEY=VALUE...] "
+                         "(tools.moments.moment_codec_pair)")
     ap.add_argument("--seeds", type=int, default=3,
                     help="paired seeds (weights and data order) per codec; gaps are averaged")
     ap.add_argument("--hidden", type=int, default=128, help="model width (without --sizes)")
@@ -239,63 +262,142 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (without --lrs)")
     ap.add_argument("--lrs", default=None, help="comma-separated peak learning rates of the grid")
     ap.add_argument("--seed", type=int, default=0, help="first seed")
+    ap.add_argument("--grid", action="store_true",
+                    help=f"the standing grid: sizes {GRID_SIZES}, lrs {GRID_LRS}, {GRID_SEEDS} "
+                         f"seeds, fp32 and --codecs (default {GRID_CODECS}), {GRID_STEPS} steps, "
+                         "smallest first, "
+                         f"recorded in {convergence_runs.DEFAULT_PATH} (or --runs-jsonl)")
+    ap.add_argument("--max-minutes", type=float, default=None,
+                    help="start no run that would end (by the last run of its size and codec in "
+                         "the record) more than this many minutes after the start")
     ap.add_argument("--png", default=None, help="write the loss curves of every cell to this PNG")
-    ap.add_argument("--runs-jsonl", default=None, help="append every finished run to this file")
+    ap.add_argument("--runs-jsonl", default=None,
+                    help="append every finished run to this file, and skip the runs it already "
+                         "holds (tools.convergence_runs)")
     ap.add_argument("--skip-fp32", action="store_true",
                     help="with --runs-jsonl: run only the codecs (the fp32 runs come from another "
                          "process writing the same file; fp32 runs are deterministic per seed)")
     ap.add_argument("--from-jsonl", default=None,
                     help="report (and plot) the runs of a --runs-jsonl file instead of training")
+    ap.add_argument("--markdown", default=None,
+                    help="with --from-jsonl: write the table of its --steps runs to this file")
     args = ap.parse_args(argv)
-    if args.from_jsonl:
-        cells = cells_from_jsonl(args.from_jsonl)
-        for (label, lr), runs in cells.items():
-            seeds = {n: [r["seed"] for r in rs] for n, rs in runs.items()}
-            print(f"model: {label}, lr {lr:g}, seeds per run: {seeds}")
-            print_cell(runs)
-        report(cells, args.seed)
-        if args.png:
-            plot_grid(cells, args.png)
-        return 0
+    if args.grid:
+        args.sizes, args.lrs, args.seeds = GRID_SIZES, GRID_LRS, GRID_SEEDS
+        args.codecs, args.steps = args.codecs or GRID_CODECS, GRID_STEPS
+        args.runs_jsonl = args.runs_jsonl or convergence_runs.DEFAULT_PATH
+    args.codecs = args.codecs or DEFAULT_CODECS
     if args.skip_fp32 and not args.runs_jsonl:
         ap.error("--skip-fp32 needs --runs-jsonl: the gaps are reported from the file")
-    names = [c for c in args.codecs.split(",") if c]
-    for c in names:
-        name, _, rounding = c.partition(":")
-        for r in rounding.split("/") if rounding else []:
-            codecs.get(name, rounding=r)  # fail fast
+    if args.markdown and not args.from_jsonl:
+        ap.error("--markdown needs --from-jsonl: the table is made from a record")
     if args.seeds < 1:
         ap.error("--seeds must be at least 1")
     try:
-        sizes = parse_sizes(args.sizes) if args.sizes else [(args.hidden, args.layers)]
-        lrs = [float(x) for x in args.lrs.split(",")] if args.lrs else [args.lr]
-    except ValueError as e:
+        args.size_list = parse_sizes(args.sizes) if args.sizes else [(args.hidden, args.layers)]
+        args.lr_list = [float(x) for x in args.lrs.split(",")] if args.lrs else [args.lr]
+        args.names = [c for c in args.codecs.split(",") if c]
+        for c in args.names:
+            convergence_runs.codec_specs(c)  # fail fast on a bad request
+    except (ValueError, CodecError) as e:
         ap.error(str(e))
+    return args
+
+
+def report_jsonl(args: argparse.Namespace) -> int:
+    """Print (and plot, and write as markdown) the runs of a record without training."""
+    cells = cells_from_jsonl(args.from_jsonl)
+    for (label, lr), runs in cells.items():
+        seeds = {n: [r["seed"] for r in rs] for n, rs in runs.items()}
+        print(f"model: {label}, lr {lr:g}, seeds per run: {seeds}")
+        print_cell(runs)
+    report(cells, args.seed)
+    if args.png:
+        plot_grid(cells, args.png)
+    if args.markdown:
+        records = convergence_runs.load(args.from_jsonl)
+        table = convergence_runs.markdown(records, args.steps)
+        with open(args.markdown, "w") as f:
+            f.write(MARKDOWN_HEAD.format(steps=args.steps, record=args.from_jsonl) + table)
+        print(f"wrote {args.markdown}")
+    return 0
+
+
+MARKDOWN_HEAD = """# Convergence record
+
+Generated from `{record}` by `python -m tools.bench_convergence --from-jsonl {record}
+--markdown docs/convergence/README.md --png docs/convergence/curves.png` (do not edit by hand).
+Every row: runs of {steps} steps of `tools.bench_convergence` (byte-level Llama, AdamW betas
+(0.9, 0.95), weight decay 0.1, clipping 1.0, 5% warm-up, batch 8x128 bytes); `vs fp32` is the
+mean over seeds of the gap to the same seed's fp32 run (min..max over seeds); CPU seconds of
+one run at one torch thread on the machine each line of the record names. Codec specs, commits
+and loss curves are in the record.
+
+![loss curves](curves.png)
+
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Train fp32 and one run per codec for each seed (and grid cell); print the paired gaps."""
+    args = _args(argv)
+    if args.from_jsonl:
+        return report_jsonl(args)
+    records = convergence_runs.load(args.runs_jsonl) if args.runs_jsonl else []
+    by_key = {convergence_runs.run_key(r): r for r in records}
+    start = time.perf_counter()
+    commit = convergence_runs.source_commit()  # the code this process imported, not later edits
     cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]] = {}
-    for hidden, layers in sizes:
+    for hidden, layers in args.size_list:
         params = sum(p.numel() for p in tiny_model(hidden, layers, args.seed).parameters())
         label = f"{params / 1e6:.2f}M ({hidden}x{layers})"
-        for lr in lrs:
+        for lr in args.lr_list:
             print(f"model: {params / 1e6:.2f}M params ({hidden}x{layers}), {args.steps} steps, "
                   f"batch {args.batch}x{args.seq} bytes, lr {lr}, "
                   f"seeds {args.seed}..{args.seed + args.seeds - 1}", flush=True)
             runs: dict[str, list[dict[str, Any]]] = {}
             for seed in range(args.seed, args.seed + args.seeds):
-                for c in names if args.skip_fp32 else [None, *names]:
-                    r = train(c, args.steps, hidden, layers, args.batch, args.seq, lr, seed)
-                    r.update(seed=seed, size=label, lr=lr, codec=c or "fp32")
-                    runs.setdefault(c or "fp32", []).append(r)
-                    if args.runs_jsonl:
-                        with open(args.runs_jsonl, "a") as f:
-                            f.write(json.dumps(r) + "\n")
-                    print(f"  seed {seed} {c or 'fp32'}: train {r['train']:.4f}, held-out "
-                          f"{r['held-out']:.4f} ({r['seconds']:.0f}s)", flush=True)
+                for c in args.names if args.skip_fp32 else [None, *args.names]:
+                    codec = c or "fp32"
+                    head = {"codec": codec, "codec_specs": convergence_runs.codec_specs(c),
+                            "hidden": hidden, "layers": layers, "lr": lr, "seed": seed,
+                            "steps": args.steps, "batch": args.batch, "seq": args.seq}
+                    key = convergence_runs.run_key(head)
+                    if key in by_key:
+                        r = by_key[key]
+                        print(f"  seed {seed} {codec}: in {args.runs_jsonl} ({r.get('commit')})")
+                    else:
+                        if args.max_minutes is not None:
+                            guess = convergence_runs.estimate_seconds(records, hidden, layers,
+                                                                      codec, args.steps) or 0.0
+                            if time.perf_counter() - start + guess > args.max_minutes * 60:
+                                print(f"--max-minutes {args.max_minutes:g}: stopping before "
+                                      f"seed {seed} {codec} at {label}, lr {lr:g}", flush=True)
+                                return _finish(args, cells)
+                        r = train(c, args.steps, hidden, layers, args.batch, args.seq, lr, seed)
+                        r.update(head, size=label, params=params,
+                                 commit=commit,
+                                 machine=convergence_runs.machine(),
+                                 curve=convergence_runs.rounded_curve(r["curve"]))
+                        if args.runs_jsonl:
+                            convergence_runs.append(args.runs_jsonl, r)
+                            records.append(r)
+                            by_key[key] = r
+                        print(f"  seed {seed} {codec}: train {r['train']:.4f}, held-out "
+                              f"{r['held-out']:.4f} ({r['seconds']:.0f}s, "
+                              f"{r['cpu_seconds']:.0f} CPU s)", flush=True)
+                    runs.setdefault(codec, []).append(r)
             if not args.skip_fp32:
                 print_cell(runs)
                 cells[(label, lr)] = runs
+    return _finish(args, cells)
+
+
+def _finish(args: argparse.Namespace, cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]]
+            ) -> int:
     if len(cells) > 1:
         report(cells, args.seed)
-    if args.png:
+    if args.png and cells:
         plot_grid(cells, args.png)
     return 0
 

@@ -27,8 +27,8 @@ import torch
 
 from tierstore import codecs
 from tierstore.codecs import quant
-from tierstore.codecs.policy import choose_codec
-from tools.moments import byte_batches, lm_loss, stdlib_bytes, tiny_model
+from tierstore.errors import CodecError
+from tools.moments import byte_batches, lm_loss, moment_codec_pair, stdlib_bytes, tiny_model
 
 STAT_KEYS = ("ratio", "cos", "ratio1", "cos1", "m_gain", "m_err", "isqrt", "v_gain")
 
@@ -42,25 +42,8 @@ def round_trip(codec: codecs.Codec, t: torch.Tensor) -> torch.Tensor:
 
 
 def moment_codecs(requested: str, shape: tuple[int, ...]) -> tuple[codecs.Codec, codecs.Codec] | None:
-    """(m codec, v codec) the policy picks under ``NAME[:ROUNDING[:PART]]``, None when it keeps raw.
-
-    ROUNDING may name m's and v's apart, ``dither/stochastic``; PART ``m`` or ``v`` codes only
-    that moment (the other one gets ``raw``): which one costs.
-    """
-    name, rounding, part = (requested.split(":") + ["", ""])[:3]
-    m_round, _, v_round = rounding.partition("/")  # "dither/stochastic": m's, then v's
-    pair = []
-    for role in ("exp_avg", "exp_avg_sq"):
-        codec = choose_codec(name, shape, role)
-        if codec.lossless:
-            return None
-        r = m_round if role == "exp_avg" else (v_round or m_round)
-        if r:
-            codec = codecs.get(name, **{**codec.params(), "rounding": r})
-        if part and part != ("m" if role == "exp_avg" else "v"):
-            codec = codecs.get("raw")
-        pair.append(codec)
-    return pair[0], pair[1]
+    """(m codec, v codec) for ``requested`` (``tools.moments.moment_codec_pair``'s grammar)."""
+    return moment_codec_pair(requested, shape)
 
 
 def _update(m: torch.Tensor, v: torch.Tensor, bc1: float, bc2: float, eps: float) -> torch.Tensor:
@@ -151,7 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run fp32 AdamW with coded shadow moments and print the table of update statistics."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=100, help="training steps")
-    ap.add_argument("--codecs", default="q8,q4,q3,q2", help="comma-separated codec names")
+    ap.add_argument("--codecs", default="q8,q4,q3,q2",
+                    help="comma-separated codec names, each optionally with +KEY=VALUE parameters of "
+                         "m's codec or +m=NAME (tools.moments.moment_codec_pair)")
     ap.add_argument("--roundings", default="nearest,stochastic",
                     help="comma-separated roundings, each tried with every codec")
     ap.add_argument("--parts", default="mv",
@@ -167,15 +152,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--v-target", choices=("log2", "value", "rsqrt"), default="log2",
                     help="ablation: what v's stochastic rounding is unbiased in (the codecs: log2)")
     args = ap.parse_args(argv)
-    configs = [f"{c}:{r}" + ("" if part == "mv" else f":{part}")
+    # NAME+PARAMS with each rounding and part: NAME:ROUNDING[:PART]+PARAMS
+    configs = [c.partition("+")[0] + f":{r}" + ("" if part == "mv" else f":{part}")
+               + "".join(c.partition("+")[1:])
                for c in args.codecs.split(",") if c for r in args.roundings.split(",") if r
                for part in args.parts.split(",") if part]
     for c in configs:
-        name, rounding, *part = c.split(":")
-        for r in rounding.split("/"):
-            codecs.get(name, rounding=r)  # fail fast on a bad name
-        if part and part[0] not in ("m", "v"):
-            ap.error(f"--parts takes mv, m or v, not {part[0]!r}")
+        try:
+            moment_codec_pair(c, (256, 256))  # fail fast on a bad name or parameter
+        except (ValueError, CodecError) as e:
+            ap.error(str(e))
     if args.steps < 2:
         ap.error("--steps must be at least 2")
     params = sum(p.numel() for p in tiny_model(args.hidden, args.layers, args.seed).parameters())

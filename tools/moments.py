@@ -101,3 +101,55 @@ def synthetic_moments(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor
     v = m * m * torch.exp(torch.randn(n, generator=g)) + scale**2 * 1e-3 * torch.rand(n, generator=g)
     v[torch.rand(n, generator=g) < 0.001] = 0.0
     return m, v
+
+
+def _param_value(text: str) -> object:
+    """``"128"`` -> 128, ``"true"`` -> True, anything else the string itself."""
+    if text.lstrip("-").isdigit():
+        return int(text)
+    return {"true": True, "false": False}.get(text, text)
+
+
+def moment_codec_pair(requested: str, shape: tuple[int, ...]):  # noqa: ANN201
+    """(m codec, v codec) that a coded run stores a parameter of ``shape``'s moments with, or None
+    where the trainer's policy keeps them raw (small and 1-D tensors).
+
+    ``requested`` is ``NAME[:ROUNDING[/V_ROUNDING][:PART]][+KEY=VALUE...]``: NAME the codec the
+    policy (``tierstore.codecs.policy.choose_codec``) picks from; ROUNDING overrides the rounding
+    of both moments, or m's and v's apart (``q4:calibrated/stochastic``); PART ``m`` or ``v``
+    codes only that moment, the other stays raw (which one costs); each ``+KEY=VALUE`` sets a
+    parameter of m's codec only (``q4+signed_map=de``), and ``+m=NAME`` stores m with codec NAME
+    instead (``q4+m=q5``: one more bit for m).
+    """
+    from tierstore import codecs
+    from tierstore.codecs.policy import choose_codec
+
+    head, *extras = requested.split("+")
+    name, rounding, part = (head.split(":") + ["", ""])[:3]
+    m_round, _, v_round = rounding.partition("/")
+    m_params: dict[str, object] = {}
+    m_name = name
+    for item in extras:
+        key, sep, value = item.partition("=")
+        if not (sep and key and value):
+            raise ValueError(f"{item!r} in codec request {requested!r} is not KEY=VALUE")
+        if key == "m":
+            m_name = value
+        else:
+            m_params[key] = _param_value(value)
+    if part not in ("", "m", "v"):
+        raise ValueError(f"part {part!r} of codec request {requested!r} is not m or v")
+    pair = []
+    for role, n, r in (("exp_avg", m_name, m_round), ("exp_avg_sq", name, v_round or m_round)):
+        codec = choose_codec(n, shape, role)
+        if codec.lossless:
+            return None
+        params = {**codec.params(), **({"rounding": r} if r else {})}
+        if role == "exp_avg":
+            params.update(m_params)
+        if params != codec.params():
+            codec = codecs.get(n, **params)
+        if part and part != ("m" if role == "exp_avg" else "v"):
+            codec = codecs.get("raw")
+        pair.append(codec)
+    return pair[0], pair[1]

@@ -38,7 +38,7 @@ def test_lossless_and_instances_are_kept() -> None:
 
 def test_bad_requests_raise() -> None:
     with pytest.raises(tierstore.CodecError, match="unknown codec"):
-        choose_codec("q5", (512, 512), "exp_avg")
+        choose_codec("q6", (512, 512), "exp_avg")
     with pytest.raises(tierstore.CodecError, match="role"):
         choose_codec("q4", (512, 512), "")
     with pytest.raises(tierstore.CodecError, match="requested"):

@@ -338,9 +338,9 @@ def test_bad_specs_raise(params: dict) -> None:
 
 def test_bad_bits_dtype_and_length_raise() -> None:
     with pytest.raises(tierstore.CodecError, match="unknown codec"):
-        codecs.get("q5")
+        codecs.get("q6")
     with pytest.raises(tierstore.CodecError, match="bits"):
-        quant.check_params(5, 128, True)
+        quant.check_params(6, 128, True)
     codec = codecs.get("q4")
     for dtype in (torch.float64, torch.int32, torch.bool):
         with pytest.raises(tierstore.CodecError, match="quantizes float32"):
@@ -507,4 +507,94 @@ def test_calibrated_rounding_edge_cases() -> None:
         assert torch.equal(_round_trip(cal, torch.zeros(4, 8)), torch.zeros(4, 8))
         assert torch.equal(_round_trip(cal, torch.full((4, 8), 0.5)), torch.full((4, 8), 0.5))
     with pytest.raises(tierstore.CodecError, match="rounding"):
-        quant.quantize(torch.ones(8), 4, 8, True, mode="dither")
+        quant.quantize(torch.ones(8), 4, 8, True, mode="random")
+
+
+def test_auto_compiles_a_kernel_once_its_eager_work_repays_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small chunks run eagerly until their kernel has covered COMPILE_AFTER_ELEMENTS elements
+    (an optimizer state re-encoded every step), then that kernel alone is compiled."""
+    built: list[tuple] = []
+
+    def fake_compile(fn):  # records what would be compiled; runs eagerly
+        built.append(fn)
+        return fn
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(quant, "_COMPILED", {})
+    monkeypatch.setattr(quant, "_EAGER_ELEMENTS", {})
+    monkeypatch.setattr(quant, "COMPILE_AFTER_ELEMENTS", 3000)
+    x = torch.randn(32, 40)  # 1280 elements
+    for _ in range(3):
+        quant.quantize(x, 4, 128, True)
+    assert not built  # eager while fewer than 3000 elements were done before the call
+    assert quant._EAGER_ELEMENTS[("encode", 4, True, "nearest", "", "rank1")] == 2560 + 1280
+    quant.quantize(x, 4, 128, True)
+    assert list(quant._COMPILED) == [("encode", 4, True, "nearest", "", "rank1")]
+    quant.set_compile("never")
+    try:
+        quant.quantize(x.abs(), 4, 128, False)
+        assert ("encode", 4, False, "nearest", "", "rank1") not in quant._COMPILED
+    finally:
+        quant.set_compile("auto")
+
+
+def test_q5_packs_five_bit_planes_and_beats_q4() -> None:
+    """5-bit codes: 8 codes a 40-bit word, in 5 byte planes (the 3-bit layout, wider)."""
+    codes = torch.randint(0, 32, (64,), dtype=torch.uint8)
+    packed = quant._pack(codes, 5)
+    q = 8
+    words = [sum(int(codes[j + k * q]) << (5 * k) for k in range(8)) for j in range(q)]
+    assert packed.tolist() == [(w >> (8 * b)) & 255 for b in range(5) for w in words]
+    assert torch.equal(quant._unpack(packed, 5), codes)
+    m, _ = synthetic_moments(1 << 16, seed=0)
+    x = m.view(256, 256)
+    q5, q4 = codecs.get("q5"), codecs.get("q4")
+    assert _rel_err(_round_trip(q5, x), x) < 0.6 * _rel_err(_round_trip(q4, x), x)
+    assert q5.encoded_nbytes(x.shape) == 4 * 512 + x.numel() * 5 // 8
+
+
+def test_dynamic_exponent_map_with_block_scales() -> None:
+    """signed_map="de" is Li et al.'s 4-bit map; scales="absmax" stores row maxima only (a new
+    name: 0.1.0's per-block layout, which had no name, stays refused)."""
+    levels = quant.de_levels(4)
+    assert len(levels) == 16 and levels[0] == -0.8875 and levels[-1] == 1.0 and 0.0 in levels
+    assert min(abs(v) for v in levels if v) == pytest.approx(0.0055)
+    codec = codecs.get("q4", signed_map="de", scales="absmax")
+    assert codec.spec()["signed_map"] == "de" and codecs.from_spec(codec.spec()) == codec
+    x = torch.randn(300, 128) * torch.logspace(-6, 0, 128)
+    assert codec.encoded_nbytes(x.shape) == 4 * 300 + 300 * 128 // 2  # no column scales
+    y = _round_trip(codec, x)
+    s = x.abs().amax(dim=1, keepdim=True)
+    # every value decodes to a level of the map times its row's maximum, the nearest one
+    table = torch.tensor(levels)
+    want = table[(x / s - table[:, None, None]).abs().argmin(0)] * s
+    assert torch.allclose(y, want, rtol=1e-6, atol=0)
+
+
+def test_dithered_rounding_is_unbiased_and_decodes_only_with_its_dither() -> None:
+    x = torch.tensor([1.0, 0.3, -0.6, 0.05, -0.01, 0.7, 0.0, -1.0])
+    dither = codecs.get("q4", rounding="dither")
+    torch.manual_seed(0)
+    draws = [torch.stack([x, torch.ones(8), torch.rand(8) * 0.5]) for _ in range(2000)]
+    mean = torch.stack([_round_trip(dither, d)[0] for d in draws]).mean(0)
+    assert torch.allclose(mean, x, atol=0.01), mean
+    m, _ = synthetic_moments(1 << 16, seed=1)
+    big = m.view(256, 256)
+    data = dither.encode(big)
+    back = dither.decode(memoryview(data.numpy()), (256, 256), torch.float32)
+    plain = codecs.get("q4").decode(memoryview(data.numpy()), (256, 256), torch.float32)
+    assert _rel_err(back, big) < _rel_err(plain, big)  # the decoder takes the dither off
+    with pytest.raises(tierstore.CodecError, match="dither"):
+        codecs.get("q4", signed=False, rounding="dither")
+
+
+def test_new_formats_are_new_spec_values_and_old_specs_read_unchanged() -> None:
+    """A spec without signed_map is the width's own map (what older releases wrote); naming that
+    map keeps the spec as it was; the new values are refused by older readers by name."""
+    old = {"name": "q4", "signed": True, "block": 128, "rounding": "stochastic", "scales": "rank1"}
+    assert codecs.from_spec(old).spec() == old
+    assert codecs.get("q4", signed_map="sqrt").spec() == codecs.get("q4").spec()
+    assert codecs.get("q3", signed_map="linear").spec() == codecs.get("q3").spec()
+    with pytest.raises(tierstore.CodecError, match="signed_map must be one of"):
+        codecs.get("q4", signed_map="log")
+    with pytest.raises(tierstore.CodecError, match="scales must be one of"):
+        codecs.from_spec({**old, "scales": "tiles"})

@@ -7,7 +7,7 @@ import torch
 
 from tierstore import codecs
 from tierstore.codecs.policy import choose_codec
-from tools import bench_codecs, bench_convergence, moment_stats
+from tools import bench_codecs, bench_convergence, convergence_runs, moment_stats
 from tools.moments import tiny_model
 
 
@@ -166,3 +166,39 @@ def test_check_generate_agrees_and_finds_a_difference(capsys: pytest.CaptureFixt
     out = ref.clone()
     out[1, 3] = 9
     assert check_generate.first_difference(out, ref, 2) == [None, 3]
+
+
+def test_runs_record_appends_and_skips(capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # noqa: ANN001
+    """Every finished run is appended with its key fields; a second invocation runs only what is
+    missing, --max-minutes stops before a run, and the markdown table comes from the record."""
+    runs = tmp_path / "runs.jsonl"
+    tiny = ["--steps", "3", "--sizes", "32x1", "--batch", "2", "--seq", "16", "--codecs", "q8",
+            "--runs-jsonl", str(runs)]
+    assert bench_convergence.main([*tiny, "--seeds", "1"]) == 0
+    first = convergence_runs.load(str(runs))
+    assert [r["codec"] for r in first] == ["fp32", "q8"]
+    for r in first:
+        assert {"commit", "codec_specs", "lr", "seed", "steps", "train", "held-out", "curve",
+                "machine", "cpu_seconds"} <= set(r)
+        assert len(r["curve"]) == 3
+    assert first[1]["codec_specs"]["m"]["name"] == "q8" and first[0]["codec_specs"] == {}
+    assert first[1]["codec_specs"]["v"]["signed"] is False
+    capsys.readouterr()
+    assert bench_convergence.main([*tiny, "--seeds", "2"]) == 0  # seed 0 is in the record
+    out = capsys.readouterr().out
+    assert out.count(f"in {runs}") == 2
+    again = convergence_runs.load(str(runs))
+    assert again[:2] == first and [(r["seed"], r["codec"]) for r in again[2:]] == [(1, "fp32"), (1, "q8")]
+    # a changed codec spec is a new key, never a stale match
+    assert bench_convergence.main([*tiny, "--seeds", "1", "--codecs", "q8:nearest",
+                                   "--max-minutes", "0"]) == 0
+    assert "--max-minutes 0: stopping before seed 0 q8:nearest" in capsys.readouterr().out
+    assert len(convergence_runs.load(str(runs))) == 4
+    with runs.open("a") as f:  # a line torn by a crash is skipped, not fatal
+        f.write('{"codec": "q8", "tr')
+    assert len(convergence_runs.load(str(runs))) == 4
+    md = tmp_path / "README.md"
+    assert bench_convergence.main(["--from-jsonl", str(runs), "--steps", "3", "--markdown", str(md)]) == 0
+    rows = [ln for ln in md.read_text().splitlines() if ln.startswith("| 0.")]
+    assert [ln.split(" | ")[2:4] for ln in rows] == [["fp32", "0,1"], ["q8", "0,1"]]
+    assert "%" in rows[1] and "(" in rows[1]  # mean gap with its range over the two seeds

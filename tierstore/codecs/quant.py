@@ -75,7 +75,7 @@ import torch
 
 from tierstore.errors import CodecError
 
-SUPPORTED_BITS = (2, 3, 4, 8)
+SUPPORTED_BITS = (2, 3, 4, 5, 8)
 # log2 scales are int16 in units of 1/128 octave: fp32's positive range, log2 in [-149, 128),
 # fits, and 1/128 octave (0.54%) is well under the finest q8 step on real moments
 LOG_UNITS = 128
@@ -83,7 +83,14 @@ LOG_UNITS = 128
 # companding leaves too few for mid-sized values (relative L2 error on captured AdamW m, block
 # 128: q3 0.26 companded vs 0.20 linear; at q4 0.110 vs 0.093, where companding is kept for the
 # relative precision of small values)
-COMPANDED_BITS = (2, 4, 8)
+COMPANDED_BITS = (2, 4, 5, 8)
+#: maps of the signed grid: "sqrt" (the companded grid), "linear", "de" (dynamic exponent); the
+#: width's default is sqrt, linear at q3 (COMPANDED_BITS)
+SIGNED_MAPS = ("sqrt", "linear", "de")
+#: scale layouts: "rank1" (row and column maxima, min of the two) or "absmax" (the block view
+#: always, each row of ``block`` elements scaled by its own maximum only: the per-block absmax
+#: of Li et al. and bitsandbytes)
+SCALE_LAYOUTS = ("rank1", "absmax")
 # largest log2 maximum (in LOG_UNITS) whose power of two is a finite float32
 MAX_LOG = 128 * LOG_UNITS - 1
 # lowest per-row lower bound (in LOG_UNITS): 256 octaves below the scale, past any float32 ratio
@@ -95,8 +102,40 @@ FLOAT32_TINY = 2.0**-149
 EMPTY = -32768
 
 
-def check_params(bits: int, block: int, signed: bool) -> None:
-    """Raise CodecError naming the rule that ``bits``, ``block`` or ``signed`` breaks."""
+def default_map(bits: int) -> str:
+    """The signed map a width uses when its spec names none (the format before maps were named)."""
+    return "sqrt" if bits in COMPANDED_BITS else "linear"
+
+
+def de_levels(bits: int) -> list[float]:
+    """The signed dynamic-exponent map of ``bits`` bits, ascending, in [-1, 1]: bitsandbytes'
+    ``create_dynamic_map(signed=True, max_exponent_bits=bits - 1, total_bits=bits)`` as the 4-bit
+    optimizer paper (Li et al. 2023) uses it for m. Per decade 10**-e, for e = bits-2 .. 0, the
+    midpoints of 2**(bits-2-e) equal steps of [0.1, 1] times 10**-e, each with both signs; then 0
+    and 1. At 4 bits: 0, +-0.0055, +-0.0325, +-0.0775, +-0.2125, +-0.4375, +-0.6625, +-0.8875,
+    1: dense near zero, where most of a block's m values sit.
+    """
+    exp_bits = bits - 1
+    out = [0.0, 1.0]
+    for i in range(exp_bits):
+        items = 2 ** i + 1
+        bounds = [0.1 + 0.9 * k / (items - 1) for k in range(items)]
+        means = [(a + b) / 2 for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        scale = 10.0 ** (-(exp_bits - 1) + i)
+        out += [scale * m for m in means] + [-scale * m for m in means]
+    return sorted(out)
+
+
+def check_params(bits: int, block: int, signed: bool, signed_map: str | None = None,
+                 scales: str = "rank1") -> None:
+    """Raise CodecError naming the rule that ``bits``, ``block``, ``signed``, ``signed_map`` or
+    ``scales`` breaks."""
+    if signed_map is not None and signed_map not in SIGNED_MAPS:
+        raise CodecError(f"quantization signed_map must be one of {SIGNED_MAPS}, got {signed_map!r}")
+    if signed_map == "de" and bits not in (3, 4, 5):
+        raise CodecError(f"the dynamic-exponent map is built for 3-5 bits, not {bits}")
+    if scales not in SCALE_LAYOUTS:
+        raise CodecError(f"quantization scales must be one of {SCALE_LAYOUTS}, got {scales!r}")
     if bits not in SUPPORTED_BITS or isinstance(bits, bool):
         raise CodecError(f"quantization bits must be one of {SUPPORTED_BITS}, got {bits!r}")
     if not isinstance(block, int) or isinstance(block, bool) or block <= 0:
@@ -105,11 +144,11 @@ def check_params(bits: int, block: int, signed: bool) -> None:
         raise CodecError(f"quantization `signed` must be a bool, got {signed!r}")
 
 
-def matrix_shape(shape: Sequence[int], block: int) -> tuple[int, int]:
+def matrix_shape(shape: Sequence[int], block: int, scales: str = "rank1") -> tuple[int, int]:
     """(rows, cols) of the matrix a chunk of ``shape`` is quantized as (see the module doc)."""
     n = math.prod(shape)
     blocks = -(-n // block)
-    if len(shape) >= 2 and shape[-1] > 0:
+    if scales == "rank1" and len(shape) >= 2 and shape[-1] > 0:
         cols = int(shape[-1])
         rows = n // cols
         # the natural rows and columns carry the tensor's structure (a row of an embedding,
@@ -119,30 +158,32 @@ def matrix_shape(shape: Sequence[int], block: int) -> tuple[int, int]:
     return blocks, block
 
 
-def scale_nbytes(rows: int, cols: int, signed: bool) -> int:
+def scale_nbytes(rows: int, cols: int, signed: bool, scales: str = "rank1") -> int:
     """Bytes of the row and column scales (and, unsigned, the row lower bounds)."""
+    cols = cols if scales == "rank1" else 0  # block scales: row maxima only
     return 4 * (rows + cols) if signed else 4 * rows + 2 * cols
 
 
-def encoded_nbytes(shape: Sequence[int], bits: int, block: int, signed: bool) -> int:
+def encoded_nbytes(shape: Sequence[int], bits: int, block: int, signed: bool,
+                   scales: str = "rank1") -> int:
     """Stored bytes of a chunk of ``shape``: scales plus packed codes (0 for an empty chunk)."""
-    rows, cols = matrix_shape(shape, block)
+    rows, cols = matrix_shape(shape, block, scales)
     if rows * cols == 0:
         return 0
-    return scale_nbytes(rows, cols, signed) + -(-rows * cols // 8) * bits
+    return scale_nbytes(rows, cols, signed, scales) + -(-rows * cols // 8) * bits
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack uint8 codes (count a multiple of 8, each < 2**bits) into bytes, planar layout."""
     if bits == 8:
         return codes
-    if bits == 3:
+    if bits in (3, 5):
         # planes of contiguous codes, not neighbours: strided gathers would not vectorize
-        c = codes.view(8, -1).to(torch.int32)
+        c = codes.view(8, -1).to(torch.int64)
         word = c[0]
         for i in range(1, 8):  # 8 fixed lanes, not a loop over rows
-            word = word | (c[i] << (3 * i))
-        return torch.stack([word & 255, (word >> 8) & 255, word >> 16]).to(torch.uint8).view(-1)
+            word = word | (c[i] << (bits * i))
+        return torch.stack([(word >> (8 * b)) & 255 for b in range(bits)]).to(torch.uint8).view(-1)
     c = codes.view(8 // bits, -1)
     out = c[0]
     for i in range(1, 8 // bits):
@@ -154,10 +195,13 @@ def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of ``_pack``: all the codes the bytes hold."""
     if bits == 8:
         return packed
-    if bits == 3:
-        b = packed.view(3, -1).to(torch.int32)
-        word = b[0] | (b[1] << 8) | (b[2] << 16)
-        return torch.stack([(word >> (3 * i)) & 7 for i in range(8)]).to(torch.uint8).view(-1)
+    if bits in (3, 5):
+        b = packed.view(bits, -1).to(torch.int64)
+        word = b[0]
+        for i in range(1, bits):
+            word = word | (b[i] << (8 * i))
+        mask = (1 << bits) - 1
+        return torch.stack([(word >> (bits * i)) & mask for i in range(8)]).to(torch.uint8).view(-1)
     mask = (1 << bits) - 1
     return torch.stack([(packed >> (bits * i)) & mask for i in range(8 // bits)]).view(-1)
 
@@ -217,13 +261,14 @@ def _signed_levels(bits: int) -> int:
 _Q2_INNER = 1.0 / 9.0
 
 
-def _stochastic_q2(y: torch.Tensor, neg: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """q2 codes (0..3 for -1, -1/9, 1/9, 1) of magnitudes ``y``, unbiased in value.
+def _stochastic_q2(y: torch.Tensor, neg: torch.Tensor, u: torch.Tensor, a: float = _Q2_INNER
+                   ) -> torch.Tensor:
+    """q2 codes (0..3 for -1, -a, a, 1) of magnitudes ``y``, unbiased in value (``a`` = 1/9 on
+    the companded grid, 1/3 on the linear one).
 
-    Above 1/9 a value rounds between 1/9 and 1; below it, between -1/9 and +1/9 of its sign
-    (the grid has no zero), keeping its own sign with probability (y + 1/9) / (2/9).
+    Above a a value rounds between a and 1; below it, between -a and +a of its sign
+    (the grid has no zero), keeping its own sign with probability (y + a) / (2a).
     """
-    a = _Q2_INNER
     up = (u < (y - a) / (1.0 - a)).to(y.dtype)
     flip = (u >= (y + a) / (2.0 * a)).to(y.dtype)
     same_sign = torch.where(y >= a, 2.0 + up, 2.0 - flip)  # 3: 1, 2: 1/9, 1: -1/9 (signed)
@@ -237,7 +282,37 @@ def _log_max(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.where(xmax <= 0, EMPTY, torch.ceil(torch.log2(xmax) * LOG_UNITS).clamp_max(MAX_LOG))
 
 
-def _encode_matrix(xm: torch.Tensor, bits: int, signed: bool, mode: str = "nearest"
+def _signed_value(k: torch.Tensor, bits: int, smap: str, u: torch.Tensor | None) -> torch.Tensor:
+    """Codes (float) -> values in units of the scale; ``u`` the dither to subtract, if any."""
+    if smap == "de":
+        table = torch.tensor(de_levels(bits), dtype=torch.float32, device=k.device)
+        return table[k.long()]
+    step = 2.0 / (_signed_levels(bits) - 1)
+    y = k * step - 1.0
+    if u is not None:  # subtractive dither: the encoder added u - 1/2 codes before rounding
+        y = y - (u - 0.5) * step
+    return y * y.abs() if smap == "sqrt" else y
+
+
+def _de_codes(yv: torch.Tensor, bits: int, u: torch.Tensor | None) -> torch.Tensor:
+    """Codes of signed values ``yv`` (in [-1, 1]) on the dynamic-exponent map: nearest level,
+    or with ``u`` stochastic between the two levels around each value, unbiased in value."""
+    table = de_levels(bits)
+    if u is None:
+        codes = torch.zeros_like(yv)
+        for lo, hi in zip(table[:-1], table[1:], strict=True):  # 2**bits - 1 fixed thresholds
+            codes = codes + (yv > (lo + hi) / 2).to(yv.dtype)
+        return codes
+    k = torch.zeros_like(yv)
+    for level in table[1:-1]:  # the level at or below each value: 0 .. 2**bits - 2
+        k = k + (yv >= level).to(yv.dtype)
+    t = torch.tensor(table, dtype=torch.float32, device=yv.device)
+    lo, hi = t[k.long()], t[k.long() + 1]
+    return k + (u < (yv - lo) / (hi - lo)).to(yv.dtype)
+
+
+def _encode_matrix(xm: torch.Tensor, bits: int, signed: bool, mode: str = "nearest",
+                   smap: str | None = None, scales: str = "rank1"
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row scales, column scales, codes (uint8, unpacked) and per-row (max, min) to validate with.
 
@@ -245,21 +320,34 @@ def _encode_matrix(xm: torch.Tensor, bits: int, signed: bool, mode: str = "neare
     each packed code's row and column by division and runs 5-10x slower than the two apart.
     """
     levels = (1 << bits) - 1  # highest code
+    smap = smap or default_map(bits)
+    rank1 = scales == "rank1"
     if signed:
         mag = xm.abs()
-        rows, cols = mag.amax(dim=1), mag.amax(dim=0)
+        rows = mag.amax(dim=1)
+        cols = mag.amax(dim=0) if rank1 else rows[:0]
         seed = _data_seed(rows) if mode != "nearest" else None
-        s = torch.minimum(rows[:, None], cols[None, :])
+        s = torch.minimum(rows[:, None], cols[None, :]) if rank1 else rows[:, None]
         # divide, not multiply by 1/s: a subnormal s has an infinite reciprocal
         y = mag / s.clamp_min(FLOAT32_TINY)
         npts = _signed_levels(bits)
         half = (npts - 1) / 2  # grid point k sits at k / half - 1 (companded domain)
-        yc = torch.sqrt(y) if bits in COMPANDED_BITS else y
+        yc = torch.sqrt(y) if smap == "sqrt" else y
         neg = xm < 0  # not copysign: inductor's CPU code vectorizes torch.where
-        if seed is None:
+        if smap == "de":
+            codes = _de_codes(torch.where(neg, -y, y), bits, None if seed is None else _uniform(y, seed))
+        elif seed is None:
             codes = ((torch.where(neg, -yc, yc) + 1.0) * half).round().clamp(0, npts - 1)
+        elif mode == "dither":
+            # subtractive dither: the decoder regenerates u from the stored row maxima and takes
+            # it off again, so the error is uniform in (-1/2, 1/2) of a step whatever the value,
+            # independent of it, and its variance (1/12 step**2) is half of stochastic
+            # rounding's average (1/6)
+            t = (torch.where(neg, -yc, yc) + 1.0) * half
+            codes = (t + _uniform(y, seed) - 0.5).round().clamp(0, npts - 1)
         elif bits == 2:
-            codes = _stochastic_q2(y, neg, _uniform(y, seed))
+            codes = _stochastic_q2(y, neg, _uniform(y, seed),
+                                   _Q2_INNER if smap == "sqrt" else 1.0 / 3.0)
         else:
             # up with the probability that makes the decoded *value* unbiased (an optimizer
             # state is an average; a bias in the companded domain would grow its magnitude).
@@ -267,7 +355,7 @@ def _encode_matrix(xm: torch.Tensor, bits: int, signed: bool, mode: str = "neare
             # in the signed domain inductor's kernel ran 6x slower.
             k = torch.floor(yc * half).clamp(0, half - 1)
             lo, hi = k / half, (k + 1.0) / half
-            if bits in COMPANDED_BITS:
+            if smap == "sqrt":
                 lo, hi = lo * lo, hi * hi
             km = k + (_uniform(y, seed) < (y - lo) / (hi - lo)).to(k.dtype)
             codes = torch.where(neg, half - km, half + km)
@@ -278,18 +366,17 @@ def _encode_matrix(xm: torch.Tensor, bits: int, signed: bool, mode: str = "neare
             # norm of the input. Unbiased rounding of a value far below its step adds noise
             # orthogonal to it, and an m re-quantized every step keeps ~1 / (1 - beta1**2)
             # steps of that noise, which made the update longer than fp32's (q2: 2.3x)
-            yd = codes * (1.0 / half) - 1.0
-            if bits in COMPANDED_BITS:
-                yd = yd * yd.abs()
-            dec = yd * s
+            dec = _signed_value(codes, bits, smap, None) * s
             gain = xm.norm() / dec.norm().clamp_min(FLOAT32_TINY)
             gain = torch.where(dec.norm() > 0, gain, torch.ones_like(gain))
             rows, cols = rows * gain, cols * gain
     else:
         check_max, check_min = xm.amax(dim=1), xm.amin(dim=1)
-        hr, hc = _log_max(xm, 1), _log_max(xm, 0)
+        hr = _log_max(xm, 1)
+        hc = _log_max(xm, 0) if rank1 else hr[:0]
         seed = _data_seed(check_max) if mode in ("stochastic", "calibrated") else None
-        ls = torch.minimum(hr[:, None], hc[None, :]) * (1.0 / LOG_UNITS)  # log2 s_ij
+        # log2 s_ij
+        ls = (torch.minimum(hr[:, None], hc[None, :]) if rank1 else hr[:, None]) * (1.0 / LOG_UNITS)
         pos = xm > 0
         rel = torch.log2(xm) - ls  # <= 0 where positive; -inf at zeros, masked below
         lo = torch.where(pos, rel, torch.full_like(rel, float("inf"))).amin(dim=1)
@@ -329,21 +416,24 @@ def _encode_matrix(xm: torch.Tensor, bits: int, signed: bool, mode: str = "neare
 
 
 def _decode_matrix(rows: torch.Tensor, cols: torch.Tensor, packed: torch.Tensor, bits: int,
-                   signed: bool) -> torch.Tensor:
-    """Float32 values (flat, rows * cols of them) of the matrix the scales and codes hold."""
+                   signed: bool, mode: str = "nearest", smap: str | None = None,
+                   nc: int | None = None) -> torch.Tensor:
+    """Float32 values (flat, rows * cols of them) of the matrix the scales and codes hold
+    (``nc`` the column count where ``cols`` holds no scales, block scales)."""
     levels = (1 << bits) - 1
-    nr, nc = rows.shape[-1], cols.shape[0]
+    smap = smap or default_map(bits)
+    rank1 = nc is None
+    nr, nc = rows.shape[-1], (cols.shape[0] if nc is None else nc)
     codes = _unpack(packed, bits)
     if codes.numel() != nr * nc:  # only when rows * cols is not a multiple of 8
         codes = codes[: nr * nc]
     k = codes.view(nr, nc).to(torch.float32)
     if signed:
-        y = k * (2.0 / (_signed_levels(bits) - 1)) - 1.0
-        if bits in COMPANDED_BITS:
-            y = y * y.abs()
-        return (y * torch.minimum(rows[:, None], cols[None, :])).view(-1)
+        u = _uniform(k, _data_seed(rows)) if mode == "dither" else None
+        s = torch.minimum(rows[:, None], cols[None, :]) if rank1 else rows[:, None]
+        return (_signed_value(k, bits, smap, u) * s).view(-1)
     hr, lo = rows[0], rows[1]
-    ls = torch.minimum(hr[:, None], cols[None, :])
+    ls = torch.minimum(hr[:, None], cols[None, :]) if rank1 else hr[:, None]
     step = -lo / (LOG_UNITS * levels)
     out = torch.exp2((ls + lo[:, None]) * (1.0 / LOG_UNITS) + k * step[:, None]).clamp_min(FLOAT32_TINY)
     # an all-zero row or column; lo is EMPTY exactly when the row's maximum is
@@ -351,41 +441,58 @@ def _decode_matrix(rows: torch.Tensor, cols: torch.Tensor, packed: torch.Tensor,
 
 
 # inductor-compiled twins of the two kernels (one fused loop each instead of ~20 eager passes),
-# one per (kernel, bits, signed, rounding mode) so those stay constants; sizes are dynamic. Built on
-# first use of a large chunk: compiling costs seconds that small chunks never repay.
-_COMPILED: dict[tuple[str, int, bool, str], Callable[..., Any]] = {}
-#: rounding modes of the encoder; decoding is the same for all of them (see the module doc)
-MODES = ("nearest", "stochastic", "calibrated")
+# one per (kernel, bits, signed, rounding mode) so those stay constants; sizes are dynamic.
+# Compiling costs seconds (less with inductor's on-disk cache warm), which one small chunk never
+# repays but an optimizer state re-encoded every step repays within a few steps. So "auto" builds
+# a kernel on first use of a large chunk, or once its eager runs have covered
+# COMPILE_AFTER_ELEMENTS elements in this process (about a second of eager work: at 4.33M params
+# the moments of two AdamW steps), whichever comes first.
+_Key = tuple[str, int, bool, str, str, str]
+_COMPILED: dict[_Key, Callable[..., Any]] = {}
+#: elements each kernel has run eagerly so far, towards COMPILE_AFTER_ELEMENTS
+_EAGER_ELEMENTS: dict[_Key, int] = {}
+#: rounding modes of the encoder; decoding is the same for all of them but "dither" (signed
+#: only), whose decoder subtracts the dither again (see the module doc)
+MODES = ("nearest", "stochastic", "calibrated", "dither")
 COMPILE_MIN_ELEMENTS = 1 << 20
+COMPILE_AFTER_ELEMENTS = 1 << 23
 _compile_mode = "auto"
 
 
 def set_compile(mode: str) -> None:
-    """Choose the kernels: "auto" (compiled for chunks >= 1 Mi elements), "always" or "never"."""
+    """Choose the kernels: "auto" (compiled for chunks >= 1 Mi elements, and for any chunk once
+    the kernel has encoded or decoded 8 Mi elements eagerly), "always" or "never"."""
     global _compile_mode
     if mode not in ("auto", "always", "never"):
         raise CodecError(f"compile mode must be 'auto', 'always' or 'never', got {mode!r}")
     _compile_mode = mode
 
 
-def _eager(name: str, bits: int, signed: bool, mode: str = "nearest") -> Callable[..., Any]:
+def _eager(name: str, bits: int, signed: bool, mode: str = "nearest", smap: str = "",
+           scales: str = "rank1") -> Callable[..., Any]:
     """Kernel ``name`` with its constants bound as closure cells (dynamo specializes on them)."""
     if name == "encode":
         def encode(xm: torch.Tensor) -> Any:
-            return _encode_matrix(xm, bits, signed, mode)
+            return _encode_matrix(xm, bits, signed, mode, smap or None, scales)
         return encode
 
     def decode(rows: torch.Tensor, cols: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-        return _decode_matrix(rows, cols, packed, bits, signed)
+        # block scales: ``cols`` is a placeholder whose length is the column count
+        nc = None if scales == "rank1" else cols.shape[0]
+        return _decode_matrix(rows, cols, packed, bits, signed, mode, smap or None, nc)
     return decode
 
 
-def _run(name: str, n: int, bits: int, signed: bool, mode: str, *args: torch.Tensor) -> Any:
+def _run(name: str, n: int, bits: int, signed: bool, mode: str, *args: torch.Tensor,
+         smap: str = "", scales: str = "rank1") -> Any:
     """Run kernel ``name``, compiled when worth it; a failing compile falls back to eager."""
-    key = (name, bits, signed, mode)
-    if _compile_mode == "never" or (_compile_mode == "auto" and n < COMPILE_MIN_ELEMENTS):
-        return _eager(*key)(*args)
+    key = (name, bits, signed, mode, smap, scales)
     fn = _COMPILED.get(key)
+    if _compile_mode == "never" or (_compile_mode == "auto" and fn is None and n < COMPILE_MIN_ELEMENTS):
+        done = _EAGER_ELEMENTS.get(key, 0)
+        if _compile_mode == "never" or done < COMPILE_AFTER_ELEMENTS:
+            _EAGER_ELEMENTS[key] = done + n
+            return _eager(*key)(*args)
     if fn is None:
         # dynamo caches compiled variants per code object, and all variants share the code of
         # ``_eager``'s closures: 4 widths x 2 modes x 3 roundings x 2 kernels overflow its
@@ -411,19 +518,25 @@ def _run(name: str, n: int, bits: int, signed: bool, mode: str, *args: torch.Ten
 
 
 def quantize(x: torch.Tensor, bits: int, block: int, signed: bool, name: str = "quant",
-             stochastic: bool = False, mode: str | None = None) -> torch.Tensor:
+             stochastic: bool = False, mode: str | None = None, smap: str | None = None,
+             scales: str = "rank1") -> torch.Tensor:
     """Encode a float tensor into the stored bytes (a uint8 tensor on ``x``'s device).
 
     ``stochastic`` rounds each value up or down at random with the probabilities that make the
     decoded value unbiased (signed; in log2 for unsigned), from random numbers that are a
     function of the chunk (see the module doc); decoding is the same either way. ``mode``, when
-    given, names the rounding instead: "nearest", "stochastic" or "calibrated".
+    given, names the rounding instead: "nearest", "stochastic", "calibrated" or "dither" (signed
+    only; decode with the same mode). ``smap`` the signed map (None: the width's default) and
+    ``scales`` the scale layout, as the codec's spec names them.
     """
     if mode is None:
         mode = "stochastic" if stochastic else "nearest"
     if mode not in MODES:
         raise CodecError(f"{name} rounding must be one of {MODES}, got {mode!r}")
-    nr, nc = matrix_shape(x.shape, block)
+    if mode == "dither" and (not signed or smap == "de"):
+        raise CodecError(f"{name}: dithered rounding is for signed data on the sqrt or linear map")
+    smap = "" if smap is None or smap == default_map(bits) else smap
+    nr, nc = matrix_shape(x.shape, block, scales)
     flat = x.reshape(-1).to(torch.float32)
     n = flat.numel()
     if n == 0:
@@ -431,7 +544,7 @@ def quantize(x: torch.Tensor, bits: int, block: int, signed: bool, name: str = "
     if nr * nc > n:  # the block view's last row; zeros move no maximum of either mode
         flat = torch.nn.functional.pad(flat, (0, nr * nc - n))
     rows, cols, codes, check_max, check_min = _run("encode", n, bits, signed, mode,
-                                                   flat.view(nr, nc))
+                                                   flat.view(nr, nc), smap=smap, scales=scales)
     # NaN and inf reach every row reduction, so validating the small per-row results is enough,
     # and costs no extra pass over the chunk
     if not bool(torch.isfinite(check_max).all() and torch.isfinite(check_min).all()):
@@ -451,25 +564,32 @@ def quantize(x: torch.Tensor, bits: int, block: int, signed: bool, name: str = "
 
 
 def dequantize(payload: torch.Tensor, shape: Sequence[int], bits: int, block: int, signed: bool,
-               name: str = "quant") -> torch.Tensor:
-    """Decode a float32 tensor of ``shape`` from the stored bytes (a uint8 tensor; same device)."""
+               name: str = "quant", mode: str = "nearest", smap: str | None = None,
+               scales: str = "rank1") -> torch.Tensor:
+    """Decode a float32 tensor of ``shape`` from the stored bytes (a uint8 tensor; same device).
+
+    ``mode`` matters only for "dither", whose decoder takes the dither off again."""
     shape = tuple(shape)
-    expected = encoded_nbytes(shape, bits, block, signed)
+    expected = encoded_nbytes(shape, bits, block, signed, scales)
     if payload.numel() != expected:
         raise CodecError(f"{name} chunk of shape {shape} must be {expected} bytes, got {payload.numel()}")
     n = math.prod(shape)
     if n == 0:
         return torch.empty(shape, dtype=torch.float32, device=payload.device)
-    nr, nc = matrix_shape(shape, block)
-    head = scale_nbytes(nr, nc, signed)
+    nr, nc = matrix_shape(shape, block, scales)
+    head = scale_nbytes(nr, nc, signed, scales)
     raw = payload[:head].clone()  # aligned copy: a view needs an offset divisible by the itemsize
     if signed:
-        scales = raw.view(torch.float32)
-        rows, cols = scales[:nr], scales[nr:]
+        head_values = raw.view(torch.float32)
+        rows, cols = head_values[:nr], head_values[nr:]
     else:
-        scales = raw.view(torch.int16).to(torch.float32)
-        rows, cols = scales[: 2 * nr].view(2, nr), scales[2 * nr:]
-    out = _run("decode", n, bits, signed, "nearest", rows, cols, payload[head:])
+        head_values = raw.view(torch.int16).to(torch.float32)
+        rows, cols = head_values[: 2 * nr].view(2, nr), head_values[2 * nr:]
+    if scales != "rank1":  # no column scales: a placeholder that carries the column count
+        cols = torch.empty(nc, dtype=torch.float32, device=payload.device)
+    smap = "" if smap is None or smap == default_map(bits) else smap
+    mode = "dither" if mode == "dither" else "nearest"  # one decoder for the other modes
+    out = _run("decode", n, bits, signed, mode, rows, cols, payload[head:], smap=smap, scales=scales)
     return out[:n].view(shape)
 
 

@@ -7,6 +7,13 @@ fewer levels make a tight range matter more than the 0.5 bit/element of scales.
 The spec names the scale layout, ``"scales": "rank1"``. tierstore 0.1.0 wrote q-codec chunks
 with per-block scales and no such key; those bytes mean something else, so a spec without the
 key is refused with an error that says so, instead of being decoded into wrong values.
+
+Format versions after that are new parameter values, never new meanings of old ones: ``scales:
+"absmax"`` (per-block absmax, no column scales), ``signed_map: "linear" | "de"`` (absent: the
+width's own map, as before the key existed), ``rounding: "dither"`` (its decoder differs). A
+reader of an older release refuses such a spec by the parameter's name ("scales must be one
+of", "rounding must be one of", "unexpected keyword argument 'signed_map'") instead of
+misreading the bytes; every spec an older release wrote reads here unchanged.
 """
 
 from __future__ import annotations
@@ -26,10 +33,13 @@ FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 #: level when its per-step change is smaller than half a quantization step (signal swamping).
 #: "calibrated" (an ablation, issue 17) is stochastic with one gain per chunk folded into the
 #: stored scales (signed: the decoded L2 norm is the input's; unsigned: mean(v / decoded) is 1).
-#: Decoding is identical for all three; only ``encode`` differs.
-ROUNDINGS = ("nearest", "stochastic", "calibrated")
+#: Decoding is identical for those three; only ``encode`` differs. "dither" (signed only) is
+#: subtractive dither: nearest rounding after adding a pseudo-random offset that the decoder
+#: regenerates from the stored row maxima and subtracts, so the rounding error is independent of
+#: the value and half stochastic rounding's on average; chunks written with it decode only with it.
+ROUNDINGS = ("nearest", "stochastic", "calibrated", "dither")
 #: the scale layouts this version reads and writes (see ``quant``)
-SCALE_LAYOUTS = ("rank1",)
+SCALE_LAYOUTS = quant.SCALE_LAYOUTS
 
 
 class QuantCodec(Codec):
@@ -42,14 +52,18 @@ class QuantCodec(Codec):
     default_block: ClassVar[int]
 
     def __init__(self, signed: bool = True, block: int | None = None, rounding: str = "nearest",
-                 scales: str = "rank1"):
+                 scales: str = "rank1", signed_map: str | None = None):
         block = self.default_block if block is None else block
-        quant.check_params(self.code_bits, block, signed)
+        quant.check_params(self.code_bits, block, signed, signed_map, scales)
         if rounding not in ROUNDINGS:
             raise CodecError(f"quantization rounding must be one of {ROUNDINGS}, got {rounding!r}")
-        if scales not in SCALE_LAYOUTS:
-            raise CodecError(f"quantization scales must be one of {SCALE_LAYOUTS}, got {scales!r}")
+        if rounding == "dither" and (not signed or signed_map == "de"):
+            raise CodecError("rounding 'dither' is for signed data on the sqrt or linear map "
+                             "(Adam's m); use 'stochastic' for the unsigned v")
+        if signed_map == quant.default_map(self.code_bits):
+            signed_map = None  # the width's own map: the spec stays what older releases wrote
         self.signed, self.block, self.rounding, self.scales = signed, block, rounding, scales
+        self.signed_map = signed_map
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> QuantCodec:
@@ -64,13 +78,18 @@ class QuantCodec(Codec):
 
     @property
     def bits(self) -> float:
-        """Code bits plus 32 bits of scales per ``block`` elements (long chunks, block view)."""
+        """Code bits plus 32 bits of scales per ``block`` elements (long chunks, block view;
+        unsigned with block scales: 32 bits of log2 maximum and lower bound too)."""
         return self.code_bits + 32 / self.block
 
     def params(self) -> dict[str, Any]:
-        """``signed``, ``block``, ``rounding`` and ``scales``."""
-        return {"signed": self.signed, "block": self.block, "rounding": self.rounding,
-                "scales": self.scales}
+        """``signed``, ``block``, ``rounding``, ``scales`` and, when not the width's own,
+        ``signed_map``."""
+        out: dict[str, Any] = {"signed": self.signed, "block": self.block,
+                               "rounding": self.rounding, "scales": self.scales}
+        if self.signed_map is not None:
+            out["signed_map"] = self.signed_map
+        return out
 
     def check_dtype(self, dtype: torch.dtype) -> None:
         """Only float32, bfloat16 and float16 are quantized."""
@@ -89,13 +108,17 @@ class QuantCodec(Codec):
         """Scales then bit-packed codes, as a uint8 tensor on the chunk's device."""
         self.check_dtype(chunk.dtype)
         return quant.quantize(chunk, self.code_bits, self.block, self.signed, self.name,
-                              mode=self.rounding)
+                              mode=self.rounding, smap=self.signed_map, scales=self.scales)
 
     def decode(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A float32 tensor of ``shape`` from the stored bytes."""
         self.check_dtype(dtype)
-        payload = quant.bytes_tensor(data)
-        return quant.dequantize(payload, shape, self.code_bits, self.block, self.signed, self.name)
+        return self.decode_payload(quant.bytes_tensor(data), shape)
+
+    def decode_payload(self, payload: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """A float32 tensor of ``shape`` from the stored bytes as a uint8 tensor (any device)."""
+        return quant.dequantize(payload, shape, self.code_bits, self.block, self.signed, self.name,
+                                mode=self.rounding, smap=self.signed_map, scales=self.scales)
 
     def zarr_codecs(self, dtype: torch.dtype) -> list[dict[str, Any]]:
         """The registered zarr codec ``tierstore.<name>``; the zarr array's dtype is float32."""
@@ -103,7 +126,7 @@ class QuantCodec(Codec):
 
     def encoded_nbytes(self, shape: tuple[int, ...]) -> int:
         """Stored bytes of a chunk of ``shape`` (scales included)."""
-        return quant.encoded_nbytes(shape, self.code_bits, self.block, self.signed)
+        return quant.encoded_nbytes(shape, self.code_bits, self.block, self.signed, self.scales)
 
 
 @register
@@ -112,6 +135,16 @@ class Q8Codec(QuantCodec):
 
     name = "q8"
     code_bits = 8
+    default_block = 128
+
+
+@register
+class Q5Codec(QuantCodec):
+    """5-bit codes; block 128 by default (5.25 bits/element): one more bit for Adam's m beside a
+    q4 v (``tools.bench_convergence --codecs q4+m=q5``)."""
+
+    name = "q5"
+    code_bits = 5
     default_block = 128
 
 

@@ -1,4 +1,4 @@
-"""zarr v3 codecs ``tierstore.q8``/``q4``/``q3``/``q2``: let plain zarr read quantized chunks.
+"""zarr v3 codecs ``tierstore.q8``/``q5``/``q4``/``q3``/``q2``: let plain zarr read quantized chunks.
 
 Importing ``tierstore`` registers them with ``zarr.registry.register_codec``, so
 ``zarr.open_array`` on an array whose ``zarr.json`` lists e.g.
@@ -20,7 +20,7 @@ from zarr.core.buffer import Buffer, NDBuffer
 from zarr.registry import register_codec
 
 from tierstore.codecs import quant
-from tierstore.codecs.quant_codecs import Q2Codec, Q3Codec, Q4Codec, Q8Codec, QuantCodec
+from tierstore.codecs.quant_codecs import Q2Codec, Q3Codec, Q4Codec, Q5Codec, Q8Codec, QuantCodec
 from tierstore.errors import CodecError
 
 if TYPE_CHECKING:
@@ -34,8 +34,9 @@ class ZarrQuantCodec(ArrayBytesCodec):
     is_fixed_size = True
     signed: bool = True
     block: int = 0  # 0 stands for the wrapped codec's default
-    rounding: str = "nearest"  # how this codec encodes, when zarr writes; decoding ignores it
+    rounding: str = "nearest"  # how this codec encodes; decoding reads it only for "dither"
     scales: str = "rank1"
+    signed_map: str | None = None  # None: the width's own map
     tier_codec: Any = None
 
     #: the wrapped tierstore codec class (set by subclasses)
@@ -46,19 +47,21 @@ class ZarrQuantCodec(ArrayBytesCodec):
         object.__setattr__(self, "block", block)
         object.__setattr__(self, "tier_codec", self.codec_cls(signed=self.signed, block=block,
                                                               rounding=self.rounding,
-                                                              scales=self.scales))
+                                                              scales=self.scales,
+                                                              signed_map=self.signed_map))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ZarrQuantCodec:
         """Build from the ``zarr.json`` entry ``{"name": ..., "configuration": {...}}``."""
         config = dict(data.get("configuration") or {})
-        unknown = set(config) - {"signed", "block", "rounding", "scales"}
+        unknown = set(config) - {"signed", "block", "rounding", "scales", "signed_map"}
         if unknown:
             raise CodecError(f"{data.get('name')}: unknown configuration keys {sorted(unknown)}")
         # refuses tierstore 0.1.0's per-block chunks (no "scales") rather than misreading them
         cls.codec_cls.from_params(config)
         return cls(signed=config.get("signed", True), block=config.get("block", 0),
-                   rounding=config.get("rounding", "nearest"), scales=config["scales"])
+                   rounding=config.get("rounding", "nearest"), scales=config["scales"],
+                   signed_map=config.get("signed_map"))
 
     def to_dict(self) -> dict[str, Any]:
         """The ``zarr.json`` entry, as ``QuantCodec.zarr_codecs`` writes it."""
@@ -66,8 +69,7 @@ class ZarrQuantCodec(ArrayBytesCodec):
 
     async def _decode_single(self, chunk_bytes: Buffer, chunk_spec: ArraySpec) -> NDBuffer:
         payload = quant.bytes_tensor(memoryview(np.ascontiguousarray(chunk_bytes.as_numpy_array())))
-        values = quant.dequantize(payload, tuple(chunk_spec.shape), self.tier_codec.code_bits,
-                                  self.block, self.signed, self.tier_codec.name)
+        values = self.tier_codec.decode_payload(payload, tuple(chunk_spec.shape))
         native = chunk_spec.dtype.to_native_dtype()
         arr = values.numpy().astype(native, copy=False)
         return chunk_spec.prototype.nd_buffer.from_numpy_array(arr)
@@ -91,6 +93,6 @@ def _adapter(cls: type[QuantCodec]) -> type[ZarrQuantCodec]:
 
 
 ZARR_CODECS: dict[str, type[ZarrQuantCodec]] = {}
-for _cls in (Q8Codec, Q4Codec, Q3Codec, Q2Codec):
+for _cls in (Q8Codec, Q5Codec, Q4Codec, Q3Codec, Q2Codec):
     ZARR_CODECS[f"tierstore.{_cls.name}"] = _adapter(_cls)
     register_codec(f"tierstore.{_cls.name}", ZARR_CODECS[f"tierstore.{_cls.name}"])
