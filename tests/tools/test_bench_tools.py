@@ -151,8 +151,22 @@ def test_bench_optimizer_measures_the_same_update_on_both_sides(tmp_path, capsys
     out = capsys.readouterr().out
     assert "equal on both sides: yes" in out
     store_row = next(line for line in out.splitlines() if line.startswith("store: StoreAdamW"))
-    math_s, get_s, put_s = (float(x) for x in store_row.split()[4:7])
-    assert get_s > 0 and put_s > 0 and math_s >= 0  # the split of the store's step
+    math_s, store_s, faults, read_mib, written_mib = (float(x) for x in store_row.split()[4:9])
+    assert store_s > 0 and math_s >= 0  # the split of the store's step
+    # the state fits the budget: updated in place, no disk traffic in a step
+    assert read_mib == 0 and written_mib == 0
+    assert "the minimum is 0" in out
+
+
+def test_bench_optimizer_at_half_the_budget_reports_bytes_against_the_minimum(tmp_path, capsys) -> None:  # noqa: ANN001
+    from tools import bench_optimizer
+
+    argv = ["--params-m", "1", "--tensors", "4", "--repeats", "2", "--ram-fraction", "0.5", "--dir", str(tmp_path)]
+    assert bench_optimizer.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "equal on both sides: yes" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("disk per step"))
+    assert "the minimum with this budget" in line and "the step's floor" in out
 
 
 def test_check_generate_agrees_and_finds_a_difference(capsys: pytest.CaptureFixture[str]) -> None:
