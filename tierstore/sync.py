@@ -1,4 +1,14 @@
-"""Store: the synchronous facade over AsyncStore, bridged by one background event loop thread."""
+"""Store: the synchronous facade over AsyncStore, bridged by one background event loop thread.
+
+Threads and ownership: each ``Store`` owns one ``LoopThread``; every call hops to it and waits.
+The loop thread cannot wait for itself, and ``AsyncStore.close`` joins the store's io and cpu
+pools, so a close must never run on one of those threads. That matters for a store dropped
+without ``close()``: the cyclic garbage collector runs ``__del__`` on whichever thread allocates
+when a collection triggers, often the store's own loop thread. Invariant: a finalizer that runs
+on a thread of its store hands the close to a thread of its own (``_Finalizing``), and
+``tierstore.open`` of that path in this process waits for such closes to finish, so the LOCK
+is free again; anywhere else the finalizer closes synchronously.
+"""
 
 from __future__ import annotations
 
@@ -41,6 +51,10 @@ class LoopThread:
             raise StoreClosed("the store's event loop has stopped (the store is closed)")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
+    def owns_current_thread(self) -> bool:
+        """Whether the calling thread is this loop's thread."""
+        return threading.current_thread() is self._thread
+
     def call(self, fn: Any, *args: Any) -> Any:
         """Run a plain function on the loop thread (the owner of the store's state)."""
         async def _wrap() -> Any:
@@ -66,6 +80,77 @@ def _close_open_stores() -> None:
             store.close(commit=False)
         except StoreError:
             pass
+    _Finalizing.wait_all()
+
+
+class _Finalizing:
+    """Closes of stores finalized on one of their own threads, each run by a thread of its own.
+
+    ``wait(path)`` (called by ``tierstore.open``) joins those of ``path``, so that a reopen in
+    this process finds the LOCK released; the threads are daemons, and interpreter exit waits
+    for them (``_close_open_stores``) before daemon threads are frozen.
+    """
+
+    _lock = threading.Lock()
+    _threads: dict[str, set[threading.Thread]] = {}
+
+    @classmethod
+    def start(cls, loop: LoopThread, astore: AsyncStore) -> None:
+        """Close ``astore`` without a commit and stop ``loop``, on a new thread."""
+        path = astore.path
+
+        def run() -> None:
+            try:
+                _close_and_stop(loop, astore)
+            finally:
+                with cls._lock:
+                    cls._threads[path].discard(thread)
+                    if not cls._threads[path]:
+                        del cls._threads[path]
+
+        thread = threading.Thread(target=run, name="tierstore-finalize", daemon=True)
+        with cls._lock:
+            cls._threads.setdefault(path, set()).add(thread)
+        thread.start()
+
+    @classmethod
+    def pending(cls, path: str) -> bool:
+        """Whether a finalizing close of the store at ``path`` (a real path) is under way."""
+        with cls._lock:
+            return path in cls._threads
+
+    @classmethod
+    def wait(cls, path: str) -> None:
+        """Return once the finalizing closes of the store at ``path`` (a real path) are done."""
+        with cls._lock:
+            threads = list(cls._threads.get(path, ()))
+        for t in threads:
+            t.join()
+
+    @classmethod
+    def wait_all(cls) -> None:
+        """Return once every finalizing close is done."""
+        with cls._lock:
+            threads = [t for ts in cls._threads.values() for t in ts]
+        for t in threads:
+            t.join()
+
+
+def _close_and_stop(loop: LoopThread, astore: AsyncStore, commit: bool = False) -> None:
+    """Close ``astore`` on ``loop`` (from another thread), then stop the loop in any case."""
+    try:
+        loop.run(astore.close(commit=commit))
+    finally:
+        loop.stop()
+
+
+def _on_store_thread(loop: LoopThread, astore: AsyncStore) -> bool:
+    """Whether the calling thread is one a close of this store waits for (loop, io, cpu)."""
+    if loop.owns_current_thread():
+        return True
+    me = threading.current_thread()
+    # ThreadPoolExecutor keeps its workers in ``_threads`` (CPython, since 3.2)
+    return any(me in getattr(pool, "_threads", ()) for pool in (astore._io, astore._cpu))
 
 
 atexit.register(_close_open_stores)
@@ -287,14 +372,15 @@ class Store:
         ``commit=False`` drops what was put since the last commit (a trainer whose step state
         lives outside the store closes that way after an error).
         """
-        if self._loop is None:
+        loop = self._loop
+        if loop is None:
             return
+        if _on_store_thread(loop, self._a):
+            raise StoreError("close() was called on a thread of the store itself (its event loop "
+                             "or a pool): call it from another thread")
         _OPEN_STORES.discard(self)
-        try:
-            self._loop.run(self._a.close(commit=commit))
-        finally:
-            self._loop.stop()
-            self._loop = None  # type: ignore[assignment]
+        self._loop = None  # type: ignore[assignment]
+        _close_and_stop(loop, self._a, commit=commit)
 
     def __enter__(self) -> Store:
         return self
@@ -304,8 +390,14 @@ class Store:
         self.close(commit=exc_type is None)
 
     def __del__(self) -> None:
-        if getattr(self, "_loop", None) is not None and not sys.is_finalizing():
-            try:
-                self.close(commit=False)
-            except StoreError:
-                pass
+        loop = getattr(self, "_loop", None)
+        if loop is None or sys.is_finalizing():
+            return
+        self._loop = None  # type: ignore[assignment]
+        if _on_store_thread(loop, self._a):
+            _Finalizing.start(loop, self._a)  # this thread cannot wait for the close
+            return
+        try:
+            _close_and_stop(loop, self._a)
+        except StoreError:
+            pass
