@@ -206,7 +206,7 @@ class Store:
 
     @property
     def closed(self) -> bool:
-        """Whether ``close()`` has run."""
+        """Whether ``close()`` has run; every operation of a closed store raises StoreClosed."""
         return self._loop is None
 
     @property
@@ -223,8 +223,8 @@ class Store:
         the store instead of copying it (do not modify it afterwards); see ``AsyncStore.put``.
         """
         self._refuse_held(key)
-        self._loop.run(self._a.put(key, tensor, codec, chunk_rows=chunk_rows, shard_rows=shard_rows,
-                                   copy=copy))
+        self._running().run(self._a.put(key, tensor, codec, chunk_rows=chunk_rows,
+                                        shard_rows=shard_rows, copy=copy))
 
     @contextlib.contextmanager
     def update(self, key: str, *, chunked: bool = False) -> Iterator[Any]:
@@ -236,14 +236,14 @@ class Store:
         threads' reads of ``key`` wait for the end; see ``AsyncStore.update``.
         """
         self._refuse_held(key)
-        u = self._loop.run(self._a.begin_update(key, chunked=chunked))
+        u = self._running().run(self._a.begin_update(key, chunked=chunked))
         held = self._held_keys()
         held.add(key)
         try:
             yield u.value()
         finally:
             held.discard(key)
-            self._loop.run(self._a.end_update(u))
+            self._running().run(self._a.end_update(u))
 
     def get(self, key: str, device: str | torch.device | None = None, index: Index = None,
             copy: bool = True) -> torch.Tensor:
@@ -256,11 +256,12 @@ class Store:
         this thread without a hop to the loop (``AsyncStore.mapped_get``).
         """
         self._refuse_held(key)
-        if index is not None and device is None and self._loop is not None:
+        loop = self._running()
+        if index is not None and device is None:
             got = self._a.mapped_get(key, index)
             if got is not None:
                 return got
-        t = self._loop.run(self._a.get(key, device=device, index=index, copy=copy))
+        t = loop.run(self._a.get(key, device=device, index=index, copy=copy))
         self._a._window.wait_ready(t)
         return t
 
@@ -278,7 +279,7 @@ class Store:
                     await self._a.prefetch(hint, to=to)  # type: ignore[arg-type]
             return out
 
-        out = self._loop.run(_all())
+        out = self._running().run(_all())
         for t in out:
             self._a._window.wait_ready(t)
         return out
@@ -289,8 +290,7 @@ class Store:
         Scratch for a caller's own data (generation's KV workspace); raises BudgetError when the
         window has no room for it beside the tensors held now.
         """
-        self._check_facade_open()
-        return self._loop.call(self._a._window.alloc, tuple(int(s) for s in shape), dtype)
+        return self._running().call(self._a._window.alloc, tuple(int(s) for s in shape), dtype)
 
     def staging_pool(self, buffer_bytes: int, count: int) -> StagingPool:
         """A pool of up to ``count`` host buffers (pinned with CUDA) counted in the RAM budget.
@@ -298,16 +298,19 @@ class Store:
         For copies a caller runs itself (the trainer's gradient drain); ``close()`` the pool to
         give the bytes back. Raises BudgetError when not even one buffer fits the budget.
         """
-        self._check_facade_open()
-        return StagingPool(buffer_bytes, count, pin=self._a._host.pin, host=_LoopHostTier(self._loop, self._a._host))
+        loop = self._running()
+        return StagingPool(buffer_bytes, count, pin=self._a._host.pin, host=_LoopHostTier(loop, self._a._host))
 
-    def _check_facade_open(self) -> None:
-        if self._loop is None:
+    def _running(self) -> LoopThread:
+        """The store's loop, or StoreClosed: every public operation starts here."""
+        loop = self._loop
+        if loop is None:
             raise StoreClosed(f"the store at {self.path} is closed")
+        return loop
 
     def prefetch(self, keys: Sequence[str] | str, to: str = "host", wait: bool = False) -> None:
         """Hint that ``keys`` will be read soon; loading starts in the background (``wait``: finish)."""
-        self._loop.run(self._a.prefetch(keys, to=to, wait=wait))  # type: ignore[arg-type]
+        self._running().run(self._a.prefetch(keys, to=to, wait=wait))  # type: ignore[arg-type]
 
     def plan(self, keys: Sequence[str] | None) -> None:
         """Declare the order the workload updates ``keys`` in, cycle after cycle (None: forget it).
@@ -319,51 +322,53 @@ class Store:
 
     def mark_step(self) -> None:
         """Close a step of the access trace (the predictor learns the order)."""
-        self._loop.call(self._a.mark_step)
+        self._running().call(self._a.mark_step)
 
     def info(self, key: str) -> TensorInfo:
         """Shape, dtype, codec, sizes and current tiers of ``key``."""
-        return self._loop.call(self._a.info, key)
+        return self._running().call(self._a.info, key)
 
     def keys(self, prefix: str = "") -> list[str]:
         """Sorted keys that start with ``prefix``."""
-        return self._loop.call(self._a.keys, prefix)
+        return self._running().call(self._a.keys, prefix)
 
     def __contains__(self, key: str) -> bool:
-        return bool(self._loop.call(self._a.__contains__, key))
+        return bool(self._running().call(self._a.__contains__, key))
 
     def delete(self, key: str) -> None:
         """Remove ``key`` from the head."""
         self._refuse_held(key)
-        self._loop.run(self._a.delete(key))
+        self._running().run(self._a.delete(key))
 
     def commit(self, step: int | None = None, message: str = "") -> int:
         """Make the head a durable, atomic version; returns its id."""
         self._refuse_held(None)
-        return self._loop.run(self._a.commit(step=step, message=message))
+        return self._running().run(self._a.commit(step=step, message=message))
 
     def versions(self) -> list[Commit]:
         """Retained commits, oldest first."""
-        return self._loop.call(self._a.versions)
+        return self._running().call(self._a.versions)
 
     def stats(self) -> dict[str, Any]:
         """Counters, tier occupancy and peaks, prediction accuracy."""
-        return self._loop.call(self._a.stats)
+        return self._running().call(self._a.stats)
 
     def zarr_path(self, key: str) -> str:
         """The folder of ``key``'s current generation, readable with ``zarr.open_array``."""
-        return self._loop.call(self._a.zarr_path, key)
+        return self._running().call(self._a.zarr_path, key)
 
     def verify(self, keys: Sequence[str] | None = None) -> list[Any]:
         """Re-read every committed chunk (of ``keys``, default all) from disk; the CorruptData faults."""
-        return self._loop.run(self._a.verify(keys))
+        return self._running().run(self._a.verify(keys))
 
     def chrome_trace(self) -> str:
         """The I/O trace as Chrome trace JSON (open in Perfetto)."""
+        self._running()
         return self._a.tracer.chrome_trace()
 
     def trace_span(self, name: str, cat: str, start: float, end: float, **args: Any) -> None:
         """Record a caller's span (``time.perf_counter`` seconds, e.g. a trainer step) in the trace."""
+        self._running()
         self._a.tracer.span(name, cat, start, end, **args)
 
     def close(self, commit: bool = True) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 
+import pytest
 import torch
 
 import tierstore
@@ -98,3 +99,35 @@ def test_close_on_the_stores_own_loop_thread_is_refused_and_harmless(tmp_path) -
     s.close()
     with tierstore.open(tmp_path / "s", mode="r", **OPTS) as r:
         assert r.keys() == ["a"]
+
+
+#: arguments that would be valid for an open store, per public method of the facade
+_CALLS = {
+    "put": ("a", torch.ones(3)), "get": ("a",), "get_many": (["a"],), "prefetch": (["a"],),
+    "window_empty": ((2,), torch.float32), "staging_pool": (1024, 1), "mark_step": (),
+    "info": ("a",), "keys": (), "delete": ("a",), "commit": (), "versions": (), "stats": (),
+    "zarr_path": ("a",), "verify": (), "chrome_trace": (), "trace_span": ("x", "y", 0.0, 1.0),
+    "__contains__": ("a",), "update": ("a",),
+}
+#: public members that are not store operations: they work after close
+_NOT_OPERATIONS = {"close", "closed", "async_store"}
+
+
+def test_every_public_method_of_a_closed_store_raises_store_closed(tmp_path) -> None:
+    s = tierstore.open(tmp_path / "s", mode="w", **OPTS)
+    s.put("a", torch.ones(3))
+    s.close()
+    public = {n for n in dir(tierstore.Store) if not n.startswith("_")} | {"__contains__"}
+    assert public - _NOT_OPERATIONS == set(_CALLS), "a new public method needs a row in _CALLS"
+    for name, args in _CALLS.items():
+        with pytest.raises(tierstore.StoreClosed):
+            got = getattr(s, name)(*args)
+            if name == "update":  # a context manager: the call starts on entering it
+                with got:
+                    pass
+    with pytest.raises(tierstore.StoreClosed):
+        s.get("a", index=torch.tensor([0]))  # the caller-thread gather path too
+    with pytest.raises(tierstore.StoreClosed):
+        "a" in s  # noqa: B015
+    s.close()  # a second close does nothing
+    assert s.closed
