@@ -113,6 +113,8 @@ def row_index(index: Any, rows: int) -> np.ndarray | None:
         if idx.dtype.kind not in "iu":  # bool and float indices: the loop path refuses them
             return None
     elif isinstance(index, int) and not isinstance(index, bool):
+        if not -rows <= index < rows:
+            return None  # out of range, maybe of int64 too: the loop path raises InvalidIndex
         idx = np.asarray(index, np.int64)
     else:
         return None

@@ -238,3 +238,20 @@ def test_a_generation_forgotten_while_it_is_mapped_is_not_kept(tmp_path, monkeyp
         assert _served(s) == 1
         assert not mg._regions and not mg._mapping and not mg._forgotten
         assert not _mapped_files(folder)
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "loop"])
+def test_out_of_range_indices_raise_invalid_index_on_both_paths(tmp_path, mapped) -> None:
+    """The error of a bad index does not depend on whether the page cache holds the rows."""
+    t = _table()
+    with tierstore.open(tmp_path / "s", "w", ram_budget=BUDGET, mapped_gathers=mapped) as s:
+        s.put("emb", t, chunk_rows=7, shard_rows=35)
+        s.commit()
+        assert torch.equal(s.get("emb", index=torch.tensor([3])), t[[3]])
+        assert _served(s) == int(mapped)
+        bad = [2**63, 2**70, -2**63 - 1, -2**70, ROWS, -ROWS - 1,
+               torch.tensor([2**64 - 1], dtype=torch.uint64), torch.tensor([ROWS], dtype=torch.uint64)]
+        for idx in bad:
+            with pytest.raises(tierstore.InvalidIndex):
+                s.get("emb", index=idx)
+        assert torch.equal(s.get("emb", index=torch.tensor([ROWS - 1], dtype=torch.uint64)), t[[ROWS - 1]])
