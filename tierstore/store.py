@@ -978,10 +978,14 @@ class AsyncStore(ReadPath):
         """
         if self._closed or self._closing or not self._mapped.enabled or self._disk.faults is not None:
             return None
-        rec = self._head.get(key)
-        if rec is None or not rec.shard or rec.generation not in self._committed:
-            return None
-        return self._mapped.get(rec, index)
+
+        def committed_head() -> GenRecord | None:  # read once the gather counts as in flight
+            rec = self._head.get(key)
+            if rec is None or not rec.shard or rec.generation not in self._committed:
+                return None
+            return rec
+
+        return self._mapped.get(committed_head, index)
 
     def mark_step(self) -> None:
         """Close a step of the access trace; the predictor learns from it."""
