@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 
 import pytest
 import torch
 
 import tierstore
+from tierstore.leases import leased_generations
 
 OPTS = dict(chunk_bytes="16KiB", ram_budget="1MiB", device_budget="1MiB")
 
@@ -131,3 +133,60 @@ def test_every_public_method_of_a_closed_store_raises_store_closed(tmp_path) -> 
         "a" in s  # noqa: B015
     s.close()  # a second close does nothing
     assert s.closed
+
+
+def _fork_idle_child() -> tuple[int, int]:
+    """Fork a child that does nothing until told; (pid, fd that ends it when written/closed).
+
+    Returns once the child runs (its fork handlers have run)."""
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no imports, no store calls
+        try:
+            os.close(ready_r)
+            os.close(go_w)
+            os.write(ready_w, b"r")
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    os.close(ready_w)
+    os.close(go_r)
+    assert os.read(ready_r, 1) == b"r"
+    os.close(ready_r)
+    return pid, go_w
+
+
+def _end_child(pid: int, go_w: int) -> None:
+    os.close(go_w)
+    os.waitpid(pid, 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_holds_neither_the_writer_lock_nor_a_reader_lease(tmp_path) -> None:
+    """flock locks belong to the open file description, which a fork shares: a child that
+    kept its copies held the LOCK after the parent closed (the parent's reopen raised
+    StoreLocked) and a reader's lease after the reader died."""
+    path = tmp_path / "s"
+    s = tierstore.open(path, "w", **OPTS)
+    s.put("a", torch.arange(10.0))
+    s.commit()
+    r = tierstore.open(path, "r", **OPTS)
+    gens = {s.async_store._head["a"].generation}
+    pid, go = _fork_idle_child()
+    try:
+        # the child closed its copies without unlocking: the parent still holds both locks
+        with pytest.raises(tierstore.StoreLocked):
+            tierstore.open(path, "a", **OPTS)
+        assert leased_generations(str(path)) == gens
+        s.close()
+        with tierstore.open(path, "a", **OPTS) as again:  # raised StoreLocked while the child lived
+            assert again.keys() == ["a"]
+        # the reader dies (the kernel closes its descriptors; its lease file stays behind)
+        lease = r.async_store._lease
+        os.close(lease._lock.fd)
+        lease._lock.fd = None
+        assert leased_generations(str(path)) == set()  # reclaimed: no live process holds it
+        r.close()
+    finally:
+        _end_child(pid, go)
