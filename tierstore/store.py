@@ -112,7 +112,7 @@ class AsyncStore(ReadPath):
         self.config = config
         self.readonly = mode == "r"
         self.stats_counters = Counters()
-        self.tracer = Tracer()
+        self.tracer = Tracer(config.trace_events)
         self._catalog: Catalog | None = None
         self._writer_lock: HeldLock | None = None
         self._disk = DiskTier(self.path)
@@ -1054,6 +1054,7 @@ class AsyncStore(ReadPath):
             "host_lent_bytes": self._host.lent_bytes(), "updates": c.updates,
             "bytes_copied_on_write": c.bytes_copied_on_write,
             "mapped_gathers": self._mapped.served, "mapped_declined": self._mapped.declined,
+            "predictor_dropped_reads": self._predictor.dropped, "trace_dropped_events": self.tracer.dropped,
         }
 
     async def verify(self, keys: Sequence[str] | None = None) -> list[CorruptData]:
