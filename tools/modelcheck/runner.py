@@ -573,6 +573,8 @@ class Runner:
             self._check_versions()
         elif op.kind == "reopen":
             self._reopen(op.commit)
+        elif op.kind == "finalize":
+            self._finalize(op.style)
         else:
             raise AssertionError(op.kind)
 
@@ -591,6 +593,38 @@ class Runner:
                     self.model.committed = [head]
         self.store = self._open("a")
         state = self._check_committed(self.store, f"reopen after close(commit={commit})")
+        versions = self.store.versions()
+        self.model.reset(state, versions[-1].version if versions else 0)
+        self.faulty = False
+
+    def _finalize(self, where: str) -> None:
+        """Drop the store in a reference cycle without closing it and collect it on ``where``'s
+        thread (its own loop thread: the cyclic GC's usual choice there), then reopen: the
+        finalizer's close without a commit must have released the LOCK and kept the last commit."""
+        assert self.store is not None
+        self._check_budgets(self.store)
+        s, self.store = self.store, None
+        s.cycle = s  # type: ignore[attr-defined]  # only the cyclic GC can free it
+        loop = s._loop.loop
+        del s
+        if where == "loop":
+            async def collect() -> None:
+                gc.collect()
+
+            gc.disable()  # no automatic collection elsewhere first
+            try:
+                asyncio.run_coroutine_threadsafe(collect(), loop).result(timeout=self.op_timeout_s)
+            finally:
+                gc.enable()
+        else:
+            gc.collect()
+        del loop
+        try:
+            self.store = self._open("a")
+        except StoreError as e:
+            self.model.fail(f"reopen after a store was finalized without close raised {type(e).__name__}: {e}")
+            return
+        state = self._check_committed(self.store, "reopen after a finalization without close")
         versions = self.store.versions()
         self.model.reset(state, versions[-1].version if versions else 0)
         self.faulty = False
