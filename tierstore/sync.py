@@ -7,7 +7,11 @@ without ``close()``: the cyclic garbage collector runs ``__del__`` on whichever 
 when a collection triggers, often the store's own loop thread. Invariant: a finalizer that runs
 on a thread of its store hands the close to a thread of its own (``_Finalizing``), and
 ``tierstore.open`` of that path in this process waits for such closes to finish, so the LOCK
-is free again; anywhere else the finalizer closes synchronously.
+is free again; anywhere else the finalizer closes synchronously. (The collection that finds
+the facade finalizes the store's tasks with it, in no fixed order: a write that failed and was
+not yet retrieved by a commit may be logged as "Task exception was never retrieved". Keeping
+the store reachable from elsewhere would avoid that, but a failure that reached a caller holds
+the caller's frames, so the facade itself would never be collected. Close stores explicitly.)
 """
 
 from __future__ import annotations
