@@ -322,7 +322,7 @@ class Store:
         Eviction and write-back then let go of what is needed last, and reads run ahead along
         it: state larger than the RAM budget moves the minimum of bytes a cycle.
         """
-        self._loop.call(self._a.plan, keys if keys is None or isinstance(keys, str) else list(keys))
+        self._running().call(self._a.plan, keys if keys is None or isinstance(keys, str) else list(keys))
 
     def mark_step(self) -> None:
         """Close a step of the access trace (the predictor learns the order)."""
