@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 
 from tierstore.config import StoreConfig
 from tierstore.store import AsyncStore
-from tierstore.sync import LoopThread, Store
+from tierstore.sync import LoopThread, Store, _Finalizing
 
 
 def open(path: str | os.PathLike[str], mode: str = "a", *, ram_budget: int | str | None = "4GiB",
@@ -20,6 +21,7 @@ def open(path: str | os.PathLike[str], mode: str = "a", *, ram_budget: int | str
     ``options`` are further ``StoreConfig`` fields (chunk_bytes, io_threads, keep_last, ...).
     """
     config = StoreConfig(ram_budget=ram_budget, device_budget=device_budget, device=device, **options)
+    _Finalizing.wait(os.path.realpath(path))  # a store of this path dropped without close()
     loop = LoopThread()
     try:
         astore = loop.run(AsyncStore.open(path, mode, config, version))
@@ -35,4 +37,6 @@ async def open_async(path: str | os.PathLike[str], mode: str = "a", *,
                      **options: Any) -> AsyncStore:
     """Open or create a store on the running event loop; methods are coroutines."""
     config = StoreConfig(ram_budget=ram_budget, device_budget=device_budget, device=device, **options)
+    if _Finalizing.pending(os.path.realpath(path)):
+        await asyncio.to_thread(_Finalizing.wait, os.path.realpath(path))
     return await AsyncStore.open(path, mode, config, version)

@@ -9,6 +9,7 @@ import re
 import torch
 
 from tierstore.errors import BudgetError, StoreError
+from tierstore.stats import DEFAULT_TRACE_EVENTS
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -73,6 +74,9 @@ class StoreConfig:
     #: serve row gathers of committed raw sharded tables whose pages are in the page cache on
     #: the calling thread, from read-only mmaps (``tierstore.mapped``); False: always via the loop
     mapped_gathers: bool = True
+    #: spans of the I/O trace kept (``Store.chrome_trace``): the first ones, about 450 B each;
+    #: 0 turns tracing off
+    trace_events: int = DEFAULT_TRACE_EVENTS
 
     def __post_init__(self) -> None:
         self.ram_budget = parse_size(self.ram_budget, "ram_budget")
@@ -97,4 +101,6 @@ class StoreConfig:
             raise StoreError("keep_last must be >= 1: the last commit is what a reopen reads")
         if self.prefetch_ahead < 0:
             raise StoreError("prefetch_ahead must be >= 0")
+        if isinstance(self.trace_events, bool) or not isinstance(self.trace_events, int) or self.trace_events < 0:
+            raise StoreError(f"trace_events must be an int >= 0 (0: no trace), got {self.trace_events!r}")
         self.io_threads = min(self.io_threads, max(4, (os.cpu_count() or 2) * 2))

@@ -9,7 +9,8 @@ Two kinds of user, two records:
   The writer's garbage collection keeps every generation a live lease names. The flock, not the
   pid, says whether a reader lives: the kernel drops it when the process dies (SIGKILL too), pids
   are reused and differ across pid namespaces. A lease whose flock the writer can take belongs
-  to a dead reader and is deleted (reclaimed).
+  to a dead reader and is deleted (reclaimed). A forked child closes its copy of the lease's
+  descriptor (``tierstore.locks``): a lease lives as long as its reader, not its children.
 
 A lease is created under a temporary name, locked, filled and then renamed into place, so that
 the writer never sees a ``.lease`` file that is unlocked or half written by a live reader.
@@ -25,6 +26,7 @@ import secrets
 from collections.abc import Callable
 
 from tierstore.errors import DiskError
+from tierstore.locks import HeldLock
 
 LEASE_DIR = "readers"
 _NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
@@ -62,9 +64,9 @@ class PinTable:
 class ReaderLease:
     """One read-only opener's pin on a version, kept (flocked) until ``release``."""
 
-    def __init__(self, path: str, fd: int):
+    def __init__(self, path: str, lock: HeldLock):
         self.path = path
-        self._fd: int | None = fd
+        self._lock = lock
 
     @classmethod
     def acquire(cls, root: str, version: int, generations: list[int]) -> ReaderLease | None:
@@ -81,33 +83,37 @@ class ReaderLease:
             tmp = os.path.join(folder, f".{name}.tmp")
             try:
                 os.makedirs(folder, exist_ok=True)
-                fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                lock = HeldLock(os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
             except OSError as e:
                 if e.errno in _NOT_WRITABLE:
                     return None
                 raise DiskError(f"cannot write a reader lease in {folder}: {e.strerror}") from e
+            fd = lock.fd
+            assert fd is not None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 os.write(fd, body)
                 final = os.path.join(folder, f"{name}.lease")
                 os.rename(tmp, final)
-                return cls(final, fd)
+                return cls(final, lock)
             except FileNotFoundError:
-                os.close(fd)  # reclaimed between create and lock: take a fresh name
+                lock.close()  # reclaimed between create and lock: take a fresh name
                 name = f"{os.getpid()}-{secrets.token_hex(6)}"
             except BaseException:
-                os.close(fd)
+                lock.close()
                 _unlink(tmp)
                 raise
         raise DiskError(f"cannot keep a reader lease in {folder}: it is deleted as it is made")
 
     def release(self) -> None:
-        """Delete the lease, then drop its lock (the writer may collect its generations)."""
-        if self._fd is None:
+        """Delete the lease, then drop its lock (the writer may collect its generations).
+
+        Nothing to do in a forked child: the lease is the parent's (``tierstore.locks``).
+        """
+        if self._lock.fd is None:
             return
         _unlink(self.path)
-        os.close(self._fd)
-        self._fd = None
+        self._lock.close()
 
 
 def leased_generations(root: str) -> set[int] | None:

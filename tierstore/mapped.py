@@ -23,7 +23,8 @@ Threads and ownership:
   lock, on a mapping whose user count the gather holds;
 - the loop thread calls ``forget(gen)`` before it deletes a generation's folder: the mapping is
   unmapped at once, or by its last user, so that a deleted file's blocks are freed and no
-  gather ever reads an unmapped range.
+  gather ever reads an unmapped range; a gather that read the head before the forget and maps
+  the generation after it finds its tombstone (``MappedGather`` states the invariant).
 
 Why reading without the loop's pin is safe: only generations a commit named are mapped (their
 files are complete, fsynced and never written again: every put makes a new generation), so a
@@ -59,6 +60,7 @@ import os
 import platform
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import crc32c
@@ -113,6 +115,8 @@ def row_index(index: Any, rows: int) -> np.ndarray | None:
         if idx.dtype.kind not in "iu":  # bool and float indices: the loop path refuses them
             return None
     elif isinstance(index, int) and not isinstance(index, bool):
+        if not -rows <= index < rows:
+            return None  # out of range, maybe of int64 too: the loop path raises InvalidIndex
         idx = np.asarray(index, np.int64)
     else:
         return None
@@ -214,17 +218,25 @@ class _Region:
 
 
 class MappedGather:
-    """Row gathers of committed raw sharded tables from the page cache, on the caller's thread."""
+    """Row gathers of committed raw sharded tables from the page cache, on the caller's thread.
+
+    Invariant: a generation enters ``_regions`` only under ``_lock`` and only if it is not in
+    ``_forgotten``, the tombstones of the generations forgotten while an acquire was in flight.
+    An acquire counts itself in flight (``_acquiring``) before it reads the head, so a
+    generation forgotten after the head was read and before its mapping is registered is
+    tombstoned and never kept; one forgotten before the head was read is no longer the head's.
+    The tombstones are dropped whenever no acquire is in flight: they stay few.
+    """
 
     def __init__(self, disk: DiskTier):
         self._disk = disk
         self._lock = threading.Lock()
         #: generation -> its mapping, or None when it cannot be mapped (a missing or short file)
         self._regions: dict[int, _Region | None] = {}
-        #: generations being mapped outside the lock (how many threads map each), and those of
-        #: them forgotten meanwhile: such a mapping serves its gather and is never kept
-        self._mapping: dict[int, int] = {}
+        #: generations forgotten while an acquire was in flight; never registered (see above)
         self._forgotten: set[int] = set()
+        #: threads between the head read and the registration of its mapping
+        self._acquiring = 0
         # the head map and committed set are read without the loop's lock: needs the GIL
         self.enabled = _LIBC is not None and getattr(sys, "_is_gil_enabled", lambda: True)()
         #: gathers served here, and those handed back to the loop (not resident, ...)
@@ -234,7 +246,7 @@ class MappedGather:
     def forget(self, gen: int) -> None:
         """``gen``'s folder is about to be deleted: unmap it now, or when its last user is done."""
         with self._lock:
-            if gen in self._mapping:
+            if self._acquiring:
                 self._forgotten.add(gen)
             region = self._regions.pop(gen, None)
             if region is not None:
@@ -252,59 +264,56 @@ class MappedGather:
         for gen in gens:
             self.forget(gen)
 
-    def _acquire(self, rec: GenRecord) -> _Region | None:
+    def _acquire(self, lookup: Callable[[], GenRecord | None]) -> tuple[GenRecord | None, _Region | None]:
+        """The generation ``lookup`` names and a mapping of it with one more user (or None)."""
+        with self._lock:
+            self._acquiring += 1
+        try:
+            rec = lookup()
+            return rec, (None if rec is None else self._map(rec))
+        finally:
+            with self._lock:
+                self._acquiring -= 1
+                if not self._acquiring:
+                    self._forgotten.clear()
+
+    def _map(self, rec: GenRecord) -> _Region | None:
         gen = rec.generation
         with self._lock:
+            if gen in self._forgotten:
+                return None
             if gen in self._regions:
                 region = self._regions[gen]
                 if region is not None:
                     region.users += 1
                 return region
-            self._mapping[gen] = self._mapping.get(gen, 0) + 1
+        paths = [self._disk.shard_path(rec.key, gen, rec.grid, s)
+                 for s in range(-(-rec.grid.n_chunks // rec.shard))]
         try:
-            paths = [self._disk.shard_path(rec.key, gen, rec.grid, s)
-                     for s in range(-(-rec.grid.n_chunks // rec.shard))]
             made: _Region | None = _Region(rec, paths) if servable(rec) else None
+            keep = True
         except FileNotFoundError:
-            made = None  # superseded and deleted meanwhile: the loop reads the head anew
-            gone = True
+            made, keep = None, False  # superseded and deleted meanwhile: the loop reads the head anew
         except OSError:
-            made = None  # short file: remembered, the loop path reports it every time
-            gone = False
-        except BaseException:
-            with self._lock:
-                self._mapped_one(gen)
-            raise
-        else:
-            gone = False
+            made, keep = None, True  # short file: remembered, the loop path reports it every time
         with self._lock:
-            forgotten = self._mapped_one(gen)
-            if gone:
-                region, extra = None, None
-            elif forgotten and made is not None:  # deleted while we mapped it: this gather only
-                made.retired = True
-                region, extra = made, None
-            elif not self.enabled or forgotten:
+            if not self.enabled:  # closed meanwhile
                 region, extra = None, made
+            elif gen in self._forgotten:  # deleted while we mapped it: this gather only
+                region, extra = made, None
+                if made is not None:
+                    made.retired = True
             elif gen in self._regions:  # another thread mapped it meanwhile
                 region, extra = self._regions[gen], made
             else:
                 region, extra = made, None
-                self._regions[gen] = made
+                if keep:
+                    self._regions[gen] = made
             if region is not None:
                 region.users += 1
         if extra is not None:
             extra.unmap()
         return region
-
-    def _mapped_one(self, gen: int) -> bool:
-        """A thread is done mapping ``gen`` (under ``_lock``); whether it was forgotten meanwhile."""
-        self._mapping[gen] -= 1
-        forgotten = gen in self._forgotten
-        if not self._mapping[gen]:
-            del self._mapping[gen]
-            self._forgotten.discard(gen)
-        return forgotten
 
     def _release(self, region: _Region, served: bool) -> None:
         with self._lock:
@@ -317,13 +326,19 @@ class MappedGather:
         if last:
             region.unmap()
 
-    def get(self, rec: GenRecord, index: Any) -> torch.Tensor | None:
-        """``rec``'s rows named by ``index`` (a dim-0 gather, torch semantics), or None when this
-        path cannot serve them (the caller then reads through the loop).
+    def get(self, lookup: Callable[[], GenRecord | None], index: Any) -> torch.Tensor | None:
+        """The rows named by ``index`` (a dim-0 gather, torch semantics) of the generation
+        ``lookup()`` returns, or None when this path cannot serve them (the caller then reads
+        through the loop).
 
-        ``rec`` must be a committed generation (``AsyncStore.mapped_get`` checks).
+        ``lookup`` reads the head: it returns a committed generation or None (``AsyncStore.
+        mapped_get`` passes it); it is called here, once the gather counts as in flight.
         """
-        region = self._acquire(rec) if self.enabled else None
+        if not self.enabled:
+            return None
+        rec, region = self._acquire(lookup)
+        if rec is None:
+            return None
         got = None
         if region is not None:
             try:

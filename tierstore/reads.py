@@ -280,6 +280,9 @@ class ReadPath:
             idx = idx.to(torch.int64)  # [] is float to torch.as_tensor, and selects no rows
         if idx.dtype in (torch.bool,) or idx.dtype.is_floating_point or idx.dtype.is_complex:
             raise InvalidIndex(f"row indices of {rec.key!r} must be integers, got {idx.dtype}")
+        if idx.dtype == torch.uint64 and idx.numel() and int(idx.cpu().numpy().max()) >= rows:
+            # checked before the cast below, which wraps 2**64 - 1 to -1 (the last row)
+            raise InvalidIndex(f"row index out of range for {rec.key!r} with {rows} rows")
         idx = idx.to(torch.int64)
         if idx.numel() and (int(idx.min()) < -rows or int(idx.max()) >= rows):
             raise InvalidIndex(f"row index out of range for {rec.key!r} with {rows} rows")

@@ -1,4 +1,9 @@
-"""Counters of an open store, and trace events exportable as Chrome trace JSON (Perfetto)."""
+"""Counters of an open store, and trace events exportable as Chrome trace JSON (Perfetto).
+
+The tracer keeps the first ``StoreConfig.trace_events`` spans of a store's life (default
+``DEFAULT_TRACE_EVENTS``; 0 turns tracing off) and counts the rest in ``dropped``. A span is
+about 450 bytes, so the default costs at most about 4.5 MiB, outside the RAM budget.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,8 @@ import threading
 import time
 from typing import Any
 
-_MAX_EVENTS = 200_000
+#: spans kept by default: the first steps of a training run, a few MiB
+DEFAULT_TRACE_EVENTS = 10_000
 
 
 @dataclasses.dataclass(slots=True)
@@ -35,10 +41,13 @@ class Counters:
 
 
 class Tracer:
-    """Collects complete-span events (``ph: X``) from any thread, up to a cap."""
+    """Collects complete-span events (``ph: X``) from any thread, the first ``max_events``."""
 
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(self, max_events: int = DEFAULT_TRACE_EVENTS):
+        self.max_events = max_events
+        self.enabled = max_events > 0
+        #: spans not kept because the cap was reached
+        self.dropped = 0
         self._events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
@@ -47,12 +56,18 @@ class Tracer:
         """Record a span that ran from ``start`` to ``end`` (perf_counter seconds)."""
         if not self.enabled:
             return
+        if len(self._events) >= self.max_events:  # racy read: the locked check below decides
+            with self._lock:
+                self.dropped += 1
+            return
         ev = {"name": name, "cat": cat, "ph": "X", "ts": (start - self._t0) * 1e6,
               "dur": (end - start) * 1e6, "pid": 0, "tid": threading.current_thread().name,
               "args": args}
         with self._lock:
-            if len(self._events) < _MAX_EVENTS:
+            if len(self._events) < self.max_events:
                 self._events.append(ev)
+            else:
+                self.dropped += 1
 
     def events(self) -> list[dict[str, Any]]:
         """A copy of the recorded events."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import fcntl
 import os
 import shutil
 import time
@@ -49,13 +48,13 @@ from tierstore.errors import (
     ReadOnlyError,
     StoreClosed,
     StoreError,
-    StoreLocked,
     StoreNotFound,
 )
 from tierstore.faults import FaultPlan
 from tierstore.keys import validate_key
 from tierstore.layout import ChunkGrid, zarr_metadata
 from tierstore.leases import LEASE_DIR, PinTable, ReaderLease, leased_generations
+from tierstore.locks import HeldLock, writer_lock
 from tierstore.mapped import MappedGather
 from tierstore.plan import AccessPlan
 from tierstore.prefetch import AccessPredictor
@@ -113,9 +112,9 @@ class AsyncStore(ReadPath):
         self.config = config
         self.readonly = mode == "r"
         self.stats_counters = Counters()
-        self.tracer = Tracer()
+        self.tracer = Tracer(config.trace_events)
         self._catalog: Catalog | None = None
-        self._lock_fd: int | None = None
+        self._writer_lock: HeldLock | None = None
         self._disk = DiskTier(self.path)
         #: caller-thread gathers from the page cache; see ``mapped_get`` for what it may read
         self._mapped = MappedGather(self._disk)
@@ -201,14 +200,7 @@ class AsyncStore(ReadPath):
             if not os.path.isdir(root):
                 os.makedirs(root)
                 self._ledger.created(root)
-            self._lock_fd = os.open(os.path.join(root, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(self._lock_fd)
-                self._lock_fd = None
-                raise StoreLocked(f"another process writes to {root} (its LOCK is held); "
-                                  "open with mode='r' to read") from None
+            self._writer_lock = writer_lock(root)  # a forked child closes its copy (tierstore.locks)
             is_store = os.path.exists(os.path.join(root, "catalog", "data.mdb"))
             if not is_store:
                 self._refuse_foreign(root)
@@ -316,9 +308,9 @@ class AsyncStore(ReadPath):
         if self._catalog is not None:
             self._catalog.close()
             self._catalog = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing the descriptor releases the flock
-            self._lock_fd = None
+        if self._writer_lock is not None:
+            self._writer_lock.close()  # closing the descriptor releases the flock
+            self._writer_lock = None
 
     async def close(self, commit: bool = True) -> None:
         """Commit pending changes (unless ``commit=False`` or read-only), then release everything."""
@@ -978,10 +970,14 @@ class AsyncStore(ReadPath):
         """
         if self._closed or self._closing or not self._mapped.enabled or self._disk.faults is not None:
             return None
-        rec = self._head.get(key)
-        if rec is None or not rec.shard or rec.generation not in self._committed:
-            return None
-        return self._mapped.get(rec, index)
+
+        def committed_head() -> GenRecord | None:  # read once the gather counts as in flight
+            rec = self._head.get(key)
+            if rec is None or not rec.shard or rec.generation not in self._committed:
+                return None
+            return rec
+
+        return self._mapped.get(committed_head, index)
 
     def mark_step(self) -> None:
         """Close a step of the access trace; the predictor learns from it."""
@@ -1058,6 +1054,7 @@ class AsyncStore(ReadPath):
             "host_lent_bytes": self._host.lent_bytes(), "updates": c.updates,
             "bytes_copied_on_write": c.bytes_copied_on_write,
             "mapped_gathers": self._mapped.served, "mapped_declined": self._mapped.declined,
+            "predictor_dropped_reads": self._predictor.dropped, "trace_dropped_events": self.tracer.dropped,
         }
 
     async def verify(self, keys: Sequence[str] | None = None) -> list[CorruptData]:

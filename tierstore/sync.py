@@ -1,4 +1,18 @@
-"""Store: the synchronous facade over AsyncStore, bridged by one background event loop thread."""
+"""Store: the synchronous facade over AsyncStore, bridged by one background event loop thread.
+
+Threads and ownership: each ``Store`` owns one ``LoopThread``; every call hops to it and waits.
+The loop thread cannot wait for itself, and ``AsyncStore.close`` joins the store's io and cpu
+pools, so a close must never run on one of those threads. That matters for a store dropped
+without ``close()``: the cyclic garbage collector runs ``__del__`` on whichever thread allocates
+when a collection triggers, often the store's own loop thread. Invariant: a finalizer that runs
+on a thread of its store hands the close to a thread of its own (``_Finalizing``), and
+``tierstore.open`` of that path in this process waits for such closes to finish, so the LOCK
+is free again; anywhere else the finalizer closes synchronously. (The collection that finds
+the facade finalizes the store's tasks with it, in no fixed order: a write that failed and was
+not yet retrieved by a commit may be logged as "Task exception was never retrieved". Keeping
+the store reachable from elsewhere would avoid that, but a failure that reached a caller holds
+the caller's frames, so the facade itself would never be collected. Close stores explicitly.)
+"""
 
 from __future__ import annotations
 
@@ -41,6 +55,10 @@ class LoopThread:
             raise StoreClosed("the store's event loop has stopped (the store is closed)")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
+    def owns_current_thread(self) -> bool:
+        """Whether the calling thread is this loop's thread."""
+        return threading.current_thread() is self._thread
+
     def call(self, fn: Any, *args: Any) -> Any:
         """Run a plain function on the loop thread (the owner of the store's state)."""
         async def _wrap() -> Any:
@@ -66,6 +84,77 @@ def _close_open_stores() -> None:
             store.close(commit=False)
         except StoreError:
             pass
+    _Finalizing.wait_all()
+
+
+class _Finalizing:
+    """Closes of stores finalized on one of their own threads, each run by a thread of its own.
+
+    ``wait(path)`` (called by ``tierstore.open``) joins those of ``path``, so that a reopen in
+    this process finds the LOCK released; the threads are daemons, and interpreter exit waits
+    for them (``_close_open_stores``) before daemon threads are frozen.
+    """
+
+    _lock = threading.Lock()
+    _threads: dict[str, set[threading.Thread]] = {}
+
+    @classmethod
+    def start(cls, loop: LoopThread, astore: AsyncStore) -> None:
+        """Close ``astore`` without a commit and stop ``loop``, on a new thread."""
+        path = astore.path
+
+        def run() -> None:
+            try:
+                _close_and_stop(loop, astore)
+            finally:
+                with cls._lock:
+                    cls._threads[path].discard(thread)
+                    if not cls._threads[path]:
+                        del cls._threads[path]
+
+        thread = threading.Thread(target=run, name="tierstore-finalize", daemon=True)
+        with cls._lock:
+            cls._threads.setdefault(path, set()).add(thread)
+        thread.start()
+
+    @classmethod
+    def pending(cls, path: str) -> bool:
+        """Whether a finalizing close of the store at ``path`` (a real path) is under way."""
+        with cls._lock:
+            return path in cls._threads
+
+    @classmethod
+    def wait(cls, path: str) -> None:
+        """Return once the finalizing closes of the store at ``path`` (a real path) are done."""
+        with cls._lock:
+            threads = list(cls._threads.get(path, ()))
+        for t in threads:
+            t.join()
+
+    @classmethod
+    def wait_all(cls) -> None:
+        """Return once every finalizing close is done."""
+        with cls._lock:
+            threads = [t for ts in cls._threads.values() for t in ts]
+        for t in threads:
+            t.join()
+
+
+def _close_and_stop(loop: LoopThread, astore: AsyncStore, commit: bool = False) -> None:
+    """Close ``astore`` on ``loop`` (from another thread), then stop the loop in any case."""
+    try:
+        loop.run(astore.close(commit=commit))
+    finally:
+        loop.stop()
+
+
+def _on_store_thread(loop: LoopThread, astore: AsyncStore) -> bool:
+    """Whether the calling thread is one a close of this store waits for (loop, io, cpu)."""
+    if loop.owns_current_thread():
+        return True
+    me = threading.current_thread()
+    # ThreadPoolExecutor keeps its workers in ``_threads`` (CPython, since 3.2)
+    return any(me in getattr(pool, "_threads", ()) for pool in (astore._io, astore._cpu))
 
 
 atexit.register(_close_open_stores)
@@ -121,7 +210,7 @@ class Store:
 
     @property
     def closed(self) -> bool:
-        """Whether ``close()`` has run."""
+        """Whether ``close()`` has run; every operation of a closed store raises StoreClosed."""
         return self._loop is None
 
     @property
@@ -138,8 +227,8 @@ class Store:
         the store instead of copying it (do not modify it afterwards); see ``AsyncStore.put``.
         """
         self._refuse_held(key)
-        self._loop.run(self._a.put(key, tensor, codec, chunk_rows=chunk_rows, shard_rows=shard_rows,
-                                   copy=copy))
+        self._running().run(self._a.put(key, tensor, codec, chunk_rows=chunk_rows,
+                                        shard_rows=shard_rows, copy=copy))
 
     @contextlib.contextmanager
     def update(self, key: str, *, chunked: bool = False) -> Iterator[Any]:
@@ -151,14 +240,14 @@ class Store:
         threads' reads of ``key`` wait for the end; see ``AsyncStore.update``.
         """
         self._refuse_held(key)
-        u = self._loop.run(self._a.begin_update(key, chunked=chunked))
+        u = self._running().run(self._a.begin_update(key, chunked=chunked))
         held = self._held_keys()
         held.add(key)
         try:
             yield u.value()
         finally:
             held.discard(key)
-            self._loop.run(self._a.end_update(u))
+            self._running().run(self._a.end_update(u))
 
     def get(self, key: str, device: str | torch.device | None = None, index: Index = None,
             copy: bool = True) -> torch.Tensor:
@@ -171,11 +260,12 @@ class Store:
         this thread without a hop to the loop (``AsyncStore.mapped_get``).
         """
         self._refuse_held(key)
-        if index is not None and device is None and self._loop is not None:
+        loop = self._running()
+        if index is not None and device is None:
             got = self._a.mapped_get(key, index)
             if got is not None:
                 return got
-        t = self._loop.run(self._a.get(key, device=device, index=index, copy=copy))
+        t = loop.run(self._a.get(key, device=device, index=index, copy=copy))
         self._a._window.wait_ready(t)
         return t
 
@@ -193,7 +283,7 @@ class Store:
                     await self._a.prefetch(hint, to=to)  # type: ignore[arg-type]
             return out
 
-        out = self._loop.run(_all())
+        out = self._running().run(_all())
         for t in out:
             self._a._window.wait_ready(t)
         return out
@@ -204,8 +294,7 @@ class Store:
         Scratch for a caller's own data (generation's KV workspace); raises BudgetError when the
         window has no room for it beside the tensors held now.
         """
-        self._check_facade_open()
-        return self._loop.call(self._a._window.alloc, tuple(int(s) for s in shape), dtype)
+        return self._running().call(self._a._window.alloc, tuple(int(s) for s in shape), dtype)
 
     def staging_pool(self, buffer_bytes: int, count: int) -> StagingPool:
         """A pool of up to ``count`` host buffers (pinned with CUDA) counted in the RAM budget.
@@ -213,16 +302,19 @@ class Store:
         For copies a caller runs itself (the trainer's gradient drain); ``close()`` the pool to
         give the bytes back. Raises BudgetError when not even one buffer fits the budget.
         """
-        self._check_facade_open()
-        return StagingPool(buffer_bytes, count, pin=self._a._host.pin, host=_LoopHostTier(self._loop, self._a._host))
+        loop = self._running()
+        return StagingPool(buffer_bytes, count, pin=self._a._host.pin, host=_LoopHostTier(loop, self._a._host))
 
-    def _check_facade_open(self) -> None:
-        if self._loop is None:
+    def _running(self) -> LoopThread:
+        """The store's loop, or StoreClosed: every public operation starts here."""
+        loop = self._loop
+        if loop is None:
             raise StoreClosed(f"the store at {self.path} is closed")
+        return loop
 
     def prefetch(self, keys: Sequence[str] | str, to: str = "host", wait: bool = False) -> None:
         """Hint that ``keys`` will be read soon; loading starts in the background (``wait``: finish)."""
-        self._loop.run(self._a.prefetch(keys, to=to, wait=wait))  # type: ignore[arg-type]
+        self._running().run(self._a.prefetch(keys, to=to, wait=wait))  # type: ignore[arg-type]
 
     def plan(self, keys: Sequence[str] | None) -> None:
         """Declare the order the workload updates ``keys`` in, cycle after cycle (None: forget it).
@@ -230,55 +322,57 @@ class Store:
         Eviction and write-back then let go of what is needed last, and reads run ahead along
         it: state larger than the RAM budget moves the minimum of bytes a cycle.
         """
-        self._loop.call(self._a.plan, keys if keys is None or isinstance(keys, str) else list(keys))
+        self._running().call(self._a.plan, keys if keys is None or isinstance(keys, str) else list(keys))
 
     def mark_step(self) -> None:
         """Close a step of the access trace (the predictor learns the order)."""
-        self._loop.call(self._a.mark_step)
+        self._running().call(self._a.mark_step)
 
     def info(self, key: str) -> TensorInfo:
         """Shape, dtype, codec, sizes and current tiers of ``key``."""
-        return self._loop.call(self._a.info, key)
+        return self._running().call(self._a.info, key)
 
     def keys(self, prefix: str = "") -> list[str]:
         """Sorted keys that start with ``prefix``."""
-        return self._loop.call(self._a.keys, prefix)
+        return self._running().call(self._a.keys, prefix)
 
     def __contains__(self, key: str) -> bool:
-        return bool(self._loop.call(self._a.__contains__, key))
+        return bool(self._running().call(self._a.__contains__, key))
 
     def delete(self, key: str) -> None:
         """Remove ``key`` from the head."""
         self._refuse_held(key)
-        self._loop.run(self._a.delete(key))
+        self._running().run(self._a.delete(key))
 
     def commit(self, step: int | None = None, message: str = "") -> int:
         """Make the head a durable, atomic version; returns its id."""
         self._refuse_held(None)
-        return self._loop.run(self._a.commit(step=step, message=message))
+        return self._running().run(self._a.commit(step=step, message=message))
 
     def versions(self) -> list[Commit]:
         """Retained commits, oldest first."""
-        return self._loop.call(self._a.versions)
+        return self._running().call(self._a.versions)
 
     def stats(self) -> dict[str, Any]:
         """Counters, tier occupancy and peaks, prediction accuracy."""
-        return self._loop.call(self._a.stats)
+        return self._running().call(self._a.stats)
 
     def zarr_path(self, key: str) -> str:
         """The folder of ``key``'s current generation, readable with ``zarr.open_array``."""
-        return self._loop.call(self._a.zarr_path, key)
+        return self._running().call(self._a.zarr_path, key)
 
     def verify(self, keys: Sequence[str] | None = None) -> list[Any]:
         """Re-read every committed chunk (of ``keys``, default all) from disk; the CorruptData faults."""
-        return self._loop.run(self._a.verify(keys))
+        return self._running().run(self._a.verify(keys))
 
     def chrome_trace(self) -> str:
         """The I/O trace as Chrome trace JSON (open in Perfetto)."""
+        self._running()
         return self._a.tracer.chrome_trace()
 
     def trace_span(self, name: str, cat: str, start: float, end: float, **args: Any) -> None:
         """Record a caller's span (``time.perf_counter`` seconds, e.g. a trainer step) in the trace."""
+        self._running()
         self._a.tracer.span(name, cat, start, end, **args)
 
     def close(self, commit: bool = True) -> None:
@@ -287,14 +381,15 @@ class Store:
         ``commit=False`` drops what was put since the last commit (a trainer whose step state
         lives outside the store closes that way after an error).
         """
-        if self._loop is None:
+        loop = self._loop
+        if loop is None:
             return
+        if _on_store_thread(loop, self._a):
+            raise StoreError("close() was called on a thread of the store itself (its event loop "
+                             "or a pool): call it from another thread")
         _OPEN_STORES.discard(self)
-        try:
-            self._loop.run(self._a.close(commit=commit))
-        finally:
-            self._loop.stop()
-            self._loop = None  # type: ignore[assignment]
+        self._loop = None  # type: ignore[assignment]
+        _close_and_stop(loop, self._a, commit=commit)
 
     def __enter__(self) -> Store:
         return self
@@ -304,8 +399,14 @@ class Store:
         self.close(commit=exc_type is None)
 
     def __del__(self) -> None:
-        if getattr(self, "_loop", None) is not None and not sys.is_finalizing():
-            try:
-                self.close(commit=False)
-            except StoreError:
-                pass
+        loop = getattr(self, "_loop", None)
+        if loop is None or sys.is_finalizing():
+            return
+        self._loop = None  # type: ignore[assignment]
+        if _on_store_thread(loop, self._a):
+            _Finalizing.start(loop, self._a)  # this thread cannot wait for the close
+            return
+        try:
+            _close_and_stop(loop, self._a)
+        except StoreError:
+            pass

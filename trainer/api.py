@@ -534,7 +534,7 @@ class Trainer:
                             "step_s": step_s, "optimizer_s": opt.busy_s - upd0,
                             # of which AdamW's arithmetic; the rest is the store's reads and writes
                             "optimizer_math_s": opt.update_s - math0, **account.end(step + 1, before, after)}
-                self._trace_step(t0)
+                self._end_step(t0)
                 self._maybe_log_save_evaluate(run, ignore_keys)
                 empty_cache = getattr(args, "torch_empty_cache_steps", None)
                 if empty_cache and st.global_step % empty_cache == 0 and torch.cuda.is_available():
@@ -666,7 +666,12 @@ class Trainer:
         return metrics
 
     # -- trace and export ------------------------------------------------------------------
-    def _trace_step(self, t0: float) -> None:
+    def _end_step(self, t0: float) -> None:
+        """Close the optimizer step in the store: its access trace (from which the predictor
+        prefetches the next step's reads; without a mark it would only fill up) and its span."""
+        mark = getattr(self.store, "mark_step", None)
+        if mark is not None:
+            mark()
         trace = getattr(self.store, "trace_span", None)
         if trace is not None:
             trace("step", "step", t0, time.perf_counter(), step=self.state.global_step)

@@ -561,6 +561,7 @@ def generate(model: Any, input_ids: torch.Tensor, max_new_tokens: int = 32, do_s
         with _eval_mode(skeleton), torch.no_grad(), memory.reuse_freed_buffers():
             for _ in range(max_new_tokens):
                 logits = gen.step(step_ids, mask if keep_mask else None, step_pos, kv, cache)
+                store.mark_step()  # a token's reads repeat the last one's: the predictor prefetches them
                 scores = logits
                 for warp in warpers:
                     scores = warp(ids, scores)

@@ -236,5 +236,53 @@ def test_a_generation_forgotten_while_it_is_mapped_is_not_kept(tmp_path, monkeyp
         monkeypatch.setattr(mapped._Region, "__init__", forgotten_meanwhile)
         assert torch.equal(s.get("emb", index=torch.tensor([3, 400])), t[[3, 400]])
         assert _served(s) == 1
-        assert not mg._regions and not mg._mapping and not mg._forgotten
+        assert not mg._regions and not mg._forgotten
         assert not _mapped_files(folder)
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "loop"])
+def test_out_of_range_indices_raise_invalid_index_on_both_paths(tmp_path, mapped) -> None:
+    """The error of a bad index does not depend on whether the page cache holds the rows."""
+    t = _table()
+    with tierstore.open(tmp_path / "s", "w", ram_budget=BUDGET, mapped_gathers=mapped) as s:
+        s.put("emb", t, chunk_rows=7, shard_rows=35)
+        s.commit()
+        assert torch.equal(s.get("emb", index=torch.tensor([3])), t[[3]])
+        assert _served(s) == int(mapped)
+        bad = [2**63, 2**70, -2**63 - 1, -2**70, ROWS, -ROWS - 1,
+               torch.tensor([2**64 - 1], dtype=torch.uint64), torch.tensor([ROWS], dtype=torch.uint64)]
+        for idx in bad:
+            with pytest.raises(tierstore.InvalidIndex):
+                s.get("emb", index=idx)
+        assert torch.equal(s.get("emb", index=torch.tensor([ROWS - 1], dtype=torch.uint64)), t[[ROWS - 1]])
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_a_generation_forgotten_before_its_gather_maps_it_is_not_kept(tmp_path) -> None:
+    """A caller thread reads the head, then the loop forgets that generation (its folder is
+    about to be deleted), then the thread maps it: the mapping serves at most that gather and
+    is never kept (it used to stay mapped until close, holding the deleted files' blocks)."""
+    t = _table()
+    with tierstore.open(tmp_path / "s", "w", ram_budget=BUDGET) as s:
+        s.put("emb", t, chunk_rows=7, shard_rows=35)
+        s.commit()
+        folder = s.zarr_path("emb")
+        a = s.async_store
+        mg = a._mapped
+        armed = True
+
+        class ForgetAfterRead(dict):  # the interleaving: forget right after the head is read
+            def get(self, key, default=None):  # type: ignore[no-untyped-def]
+                nonlocal armed
+                rec = super().get(key, default)
+                if rec is not None and armed and threading.current_thread() is threading.main_thread():
+                    armed = False
+                    mg.forget(rec.generation)
+                return rec
+
+        a._head = ForgetAfterRead(a._head)
+        idx = torch.tensor([3, 400])
+        assert torch.equal(s.get("emb", index=idx), t[idx])  # served by the loop or that mapping
+        gen = a._head["emb"].generation
+        assert gen not in mg._regions and not _mapped_files(folder)
+        assert not mg._forgotten  # no gather in flight: no tombstone is kept

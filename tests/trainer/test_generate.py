@@ -52,6 +52,18 @@ def test_greedy_tokens_equal_transformers(tmp_path: Any, make: Any, pad: bool) -
     assert st["lent"] > 0 and st["bytes_h2d"] == 0
 
 
+def test_each_token_closes_a_step_of_the_stores_access_trace(tmp_path: Any) -> None:
+    """The predictor learns the reads of a token's step at ``mark_step()``: without it the
+    trace grew by every read of a generation and nothing was ever predicted."""
+    model = build(llama_config(2)).eval()
+    ids, _ = _prompts(1, 5)
+    skeleton = _streamed(tmp_path, model, "8MiB")
+    store = skeleton._trainer_store
+    mt.generate(skeleton, ids, max_new_tokens=6, eos_token_id=None)
+    assert store.stats()["prediction_accuracy"] is not None
+    assert store.async_store._predictor._current == []  # the last token's step is closed too
+
+
 def test_eos_stops_and_pads_like_transformers(tmp_path: Any) -> None:
     model = build(llama_config(2)).eval()
     ids, mask = _prompts(3, 6, seed=3, pad=True)

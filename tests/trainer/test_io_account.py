@@ -67,3 +67,31 @@ def test_log_history_carries_each_steps_io(dataset: Any, tmp_path: Any) -> None:
     assert sum(e["io_disk_read_bytes"] for e in logs[1:]) > 0  # the state does not fit: it is read back
     print([(e["io_disk_read_bytes"], e["io_min_disk_read_bytes"], e["io_disk_written_bytes"],
             e["io_min_disk_written_bytes"], round(e["io_disk_vs_min"], 2)) for e in logs])
+
+
+def test_each_optimizer_step_closes_a_step_of_the_stores_access_trace(dataset: Any, tmp_path: Any,
+                                                                        monkeypatch: Any) -> None:
+    """The predictor learns a step's reads only at ``mark_step()``: without it the trace grew by
+    every get and ``prediction_accuracy`` stayed None for a whole training run."""
+    import tierstore
+
+    marks: list[int] = []
+    mark = tierstore.Store.mark_step
+
+    def counted(self: Any) -> None:
+        marks.append(1)
+        mark(self)
+
+    monkeypatch.setattr(tierstore.Store, "mark_step", counted)
+    model = build(llama_config(layers=1))
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3,
+                             learning_rate=1e-3, logging_steps=1, save_steps=0, disable_tqdm=True)
+    mt.init(offload_dir=None, device="cpu")
+    tr = mt.Trainer(model=model, train_dataset=dataset, args=args)
+    tr.train()
+    try:
+        stats = tr.store.stats()
+    finally:
+        tr.close()
+    assert len(marks) == 3
+    assert stats["prediction_accuracy"] is not None and stats["predictor_dropped_reads"] == 0

@@ -33,6 +33,8 @@ FEATURES = (
     "adopt",  # puts with copy=False (the tensor's memory becomes the RAM tier's buffers)
     "lend",  # window gets with copy=False (the RAM tier's buffer lent), the last one held
     "update",  # update(): the lent value checked against the model, overwritten in place
+    "finalize",  # barriers that drop the store in a reference cycle without close, collect it
+    #              (on its own loop thread or the caller's) and reopen
 )
 
 #: features that hit a known, unfixed store defect: their test variants are xfail(strict=False)
@@ -72,7 +74,8 @@ class Op:
     keys: tuple[str, ...] = ()  # prefetch
     wait: bool = False  # prefetch
     inner: Op | None = None  # cancel: the call that is cancelled
-    style: str = ""  # cancel: "wait_for" (tiny timeout) or "cancel" (task.cancel after yields)
+    style: str = ""  # cancel: "wait_for" (tiny timeout) or "cancel" (task.cancel after yields);
+    #                  finalize: the thread that collects the dropped store ("loop" or "caller")
     delay: int = 0  # cancel: loop yields (or microseconds of timeout) before cancelling
     commit: bool = True  # reopen: close with or without a commit
     chunk_rows: int = 0  # put: rows per inner chunk of the sharded layout (0: one file per chunk)
@@ -105,6 +108,8 @@ class Op:
             what = f"cancel[{self.style} {self.delay}] {self.inner.describe().split(': ', 1)[1]}"
         elif k == "reopen":
             what = f"close(commit={self.commit}) and reopen"
+        elif k == "finalize":
+            what = f"drop without close, collect on the {self.style} thread, reopen"
         else:
             what = k
         return f"{who}: {what}"
@@ -293,6 +298,9 @@ def generate(seed: int, features: tuple[str, ...] | None = None, max_phases: int
             barriers.append(Op("versions"))
         if rng.random() < 0.3:
             barriers.append(Op("check"))
+        # drawn only with the feature, so programs without it stay what their seeds gave before
+        if "finalize" in feats and rng.random() < 0.3:
+            barriers.append(Op("finalize", style=rng.choice(("loop", "caller"))))
         phases.append(Phase(tuple(ops), tuple(barriers), _faults(rng, feats)))
     if "cross_reads" in feats:
         # a racing read reaches the disk only for chunks evicted from RAM: keep the budget tight
