@@ -688,8 +688,8 @@ class ReadPath:
         tasks: list[asyncio.Task[Any]] = []
         for k in keys:
             rec = self._head.get(k)
-            if rec is None:
-                continue
+            if rec is None or self._borrows.updating(k):
+                continue  # a key lent to an update is read once it ends, never half-written
             if to == "device":
                 gen = rec.generation
                 if gen in self._device_loads:
@@ -706,6 +706,9 @@ class ReadPath:
         return tasks
 
     async def _prefetch_host(self, rec: GenRecord) -> None:
+        if self._borrows.updating(rec.key):
+            return  # lent to an update since the hint: its bytes are changing (an update seen
+            # to start after this check finds the generation pinned, and copies on write)
         self._pins.pin(rec.generation)
         try:
             plan = self._plan
@@ -729,6 +732,8 @@ class ReadPath:
             self._pins.unpin(rec.generation)
 
     async def _prefetch_device(self, rec: GenRecord) -> None:
+        if self._borrows.updating(rec.key):
+            return  # as in _prefetch_host: never a copy of half an update in the window
         self._pins.pin(rec.generation)
         try:
             if self._window.budget is not None and rec.nbytes > self._window.budget:

@@ -222,3 +222,24 @@ def test_a_cancelled_update_start_leaves_the_key_free(tmp_path) -> None:
             await s.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("to", ["device", "host"])
+def test_a_hint_during_an_update_never_caches_half_of_it(tmp_path, to) -> None:
+    async def main() -> None:
+        s = await tierstore.open_async(tmp_path / "s", "w", ram_budget="4MiB", chunk_bytes=CHUNK,
+                                       device="cpu", device_budget="4MiB")
+        try:
+            await s.put("w", torch.zeros(16384))
+            async with s.update("w") as t:
+                t.fill_(1)
+                await s.prefetch(["w"], to=to, wait=True)  # the head is the generation being written
+                await asyncio.sleep(0.01)
+                t.fill_(2)
+            for device in ("cpu", None):
+                got = await s.get("w", device=device)
+                assert bool((got == 2).all()), (device, got[:4])
+        finally:
+            await s.close()
+
+    asyncio.run(main())

@@ -311,19 +311,35 @@ class Runner:
             m.register(op.vid, tuple(like.shape), str(like.dtype).removeprefix("torch."))
             m.write_begin(op.key, op.vid)
             began[0] = True
+
+        def write(lent: Any) -> None:
             new = m.tensor(op.vid).reshape(-1)
             at = 0
-            for p in flat:
+            for p in (lent if op.chunked else [lent.reshape(-1)]):
                 p.reshape(-1).copy_(new[at : at + p.numel()])
                 at += p.numel()
+
+        def scribble(lent: Any) -> None:
+            # half-written state, visible to anyone who reads the loan before it ends
+            for p in (lent if op.chunked else [lent]):
+                p.reshape(-1)[: (p.numel() + 1) // 2].fill_(7)
 
         async def run_async(a: tierstore.AsyncStore) -> None:
             async with a.update(op.key, chunked=op.chunked) as lent:
                 body(lent)
+                scribble(lent)
+                try:
+                    for _ in range(3):  # other actors run while the loan is half-written
+                        await asyncio.sleep(0)
+                finally:
+                    write(lent)  # cancelled or not, the block leaves the new value
 
         def run_sync(s: tierstore.Store) -> None:
             with s.update(op.key, chunked=op.chunked) as lent:
                 body(lent)
+                scribble(lent)
+                time.sleep(0.0005)
+                write(lent)
 
         def finish(res: Any, exc: BaseException | None, cancelled: bool) -> None:
             if isinstance(exc, _Stop):
