@@ -422,24 +422,21 @@ def from_env(timeout_s: float, device: torch.device) -> DataParallel | None:
 def rollback(store: Any, version: int, step: int) -> None:
     """Make the store's head equal its commit ``version`` again (a commit past the manifest is dropped).
 
-    The store continues from its last commit only, so the manifest's version is copied back into
-    the head and committed anew; a rare path (a rank died between the two phases of a commit).
+    The store continues from its last commit only, so every key's head is pointed back at the
+    generation ``version`` holds (``Store.restore``: the stored bytes, no re-encode, so quantized
+    moments, whose stochastic rounding is not idempotent, and sharded layouts come back exactly),
+    keys it lacks are deleted, and that is committed anew; a rare path (a rank died between the
+    two phases of a commit).
     """
-    import tierstore
-
-    have = [v.version for v in store.versions()]
-    if version not in have:
+    commits = {c.version: c for c in store.versions()}
+    if version not in commits:
         raise DistributedError(
             f"the store at {store.path} no longer holds version {version} that the data-parallel manifest "
-            f"names (it holds {have}); keep at least 2 checkpoints (save_total_limit >= 2) in data parallel")
-    ro = tierstore.open(store.path, mode="r", version=version)
-    try:
-        keep = set(ro.keys())
-        for key in store.keys():
-            if key not in keep:
-                store.delete(key)
-        for key in sorted(keep):
-            store.put(key, ro.get(key), codec=ro.info(key).codec)
-    finally:
-        ro.close()
+            f"names (it holds {sorted(commits)}): its retention dropped it")
+    keep = commits[version].generations
+    for key in store.keys():
+        if key not in keep:
+            store.delete(key)
+    for key in sorted(keep):
+        store.restore(key, version)
     store.commit(step=step, message=f"trainer step {step} (rolled back to version {version})")

@@ -1,0 +1,63 @@
+"""Data-parallel checkpoints (2 gloo processes, q8 moments): every interrupted run resumes bit for bit.
+
+The reference is the same two-rank run without interruption. A run killed between the two
+phases of a checkpoint (a rank's store committed, the manifest not yet written) is rolled back
+on resume, with every ``save_total_limit`` the trainer accepts; a run resumed from an explicit
+store path with another ``output_dir`` keeps its manifest beside its rank stores.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from test_data_parallel import _launch, _results
+
+Q8 = ("--batch", "2", "--compression", "q8")
+
+
+def _with_moments(tmp: Any, tag: str, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for rank, r in enumerate(results):
+        r["moments"] = torch.load(str(tmp / f"{tag}-rank{rank}.json") + ".opt.pt")
+    return results
+
+
+def _same_run(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
+    """Bit for bit: losses, grad norms, weights and each rank's moments (q8: their stored values)."""
+    for g, w in zip(got, want, strict=True):
+        assert g["step"] == w["step"] == 4
+        assert g["losses"] == w["losses"] and g["grad_norms"] == w["grad_norms"]
+        for name, t in w["weights"].items():
+            assert torch.equal(g["weights"][name], t), name
+        assert sorted(g["moments"]) == sorted(w["moments"])
+        for name, t in w["moments"].items():
+            assert torch.equal(g["moments"][name], t), name
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: Any) -> list[dict[str, Any]]:
+    """Two ranks, q8 moments, four steps without interruption."""
+    tmp = tmp_path_factory.mktemp("reference")
+    return _with_moments(tmp, "ref", _results(tmp, "ref", 2, *Q8))
+
+
+def _kill_between_phases(tmp: Any, *extra: str) -> None:
+    """Rank 1 dies after its store committed step 3, before the manifest names it; rank 0 fails."""
+    procs = _launch(tmp, "k", 2, *Q8, "--kill-before-manifest", "3", *extra)
+    (p0, _), (p1, _) = procs
+    deadline = time.monotonic() + 240
+    rc1 = p1.wait(240)
+    rc0 = p0.wait(max(1.0, deadline - time.monotonic()))
+    log0 = (tmp / "k-rank0.log").read_text()
+    assert rc1 == -9 and rc0 not in (0, None), (rc0, rc1, log0[-3000:])
+    assert "DistributedError" in log0, log0[-3000:]
+
+
+def test_rollback_of_q8_moments_restores_the_stored_bytes(tmp_path: Any, reference: list[dict[str, Any]]) -> None:
+    # the rolled-back ranks' moments are the step-2 commit's bytes: the run goes on as if never killed
+    _kill_between_phases(tmp_path)
+    got = _with_moments(tmp_path, "r", _results(tmp_path, "r", 2, *Q8, "--resume"))
+    _same_run(got, reference)
+    assert any(t.dtype == torch.float32 and t.dim() == 2 for t in got[0]["moments"].values())
