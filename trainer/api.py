@@ -373,6 +373,10 @@ class Trainer:
             # this rank committed past the last complete checkpoint (a peer died between the phases)
             with self._lock:
                 distributed.rollback(self._store, manifest["versions"][self._dp.rank], manifest["step"])
+        if manifest is not None and self._dp is not None:
+            # name each rank's head (a rolled-back rank's is a new version) before any new commit
+            last = self._store.versions()[-1]
+            self._dp.commit_manifest(root, last.step, last.version)
         steps = [v.step for v in self._store.versions()]
         if step is not None and step != steps[-1]:
             # a writer continues from the head, which is the last commit: older ones are read-only
@@ -420,7 +424,8 @@ class Trainer:
             self._mark_process_zero(self.state)
         store = self.store
         # save_total_limit, else mt.init(keep_last=), else every checkpoint (as transformers)
-        store.config.keep_last = cfg.save_total_limit or _session.keep_last or 1 << 30
+        keep = cfg.save_total_limit or _session.keep_last or 1 << 30
+        store.config.keep_last = keep if self._dp is None else distributed.retention(keep)
         with self._lock:
             save_hf_files(store, self.model, self.processing_class)
         start = self.state.global_step

@@ -117,6 +117,17 @@ def check_world(root: str, world: int) -> dict[str, Any] | None:
     return man
 
 
+def retention(keep_last: int) -> int:
+    """The commits each rank's store keeps for ``keep_last`` (``save_total_limit``): at least 2.
+
+    Between the two phases of a checkpoint a rank's store holds the new commit while the manifest
+    still names the one before it; if a peer dies then, resume rolls back to that one, so it
+    must outlive the new commit: with ``save_total_limit=1`` each rank keeps the commit the
+    manifest names beside the newest (one more on disk), as torchtitan keeps at least 2.
+    """
+    return max(2, keep_last)
+
+
 def local_rows(micro: list[dict[str, torch.Tensor]], rank: int, world: int) -> list[dict[str, torch.Tensor]]:
     """This rank's rows of each global micro-batch (contiguous blocks of ceil(rows / world))."""
     out = []
@@ -334,7 +345,11 @@ class DataParallel:
         return [int(x) for x in full]
 
     def commit_manifest(self, root: str, step: int, version: int) -> None:
-        """Phase two of a checkpoint: rank 0 names every rank's committed version; all wait for it."""
+        """Phase two of a checkpoint: rank 0 names every rank's committed version; all wait for it.
+
+        Also written on resume, once every rank's head is the manifest's step again: a rank
+        rolled back has a new version, and the next checkpoint's retention may drop the old one.
+        """
         versions = self.gather_ints(version)
         if self.rank == 0:
             write_manifest(root, {"world_size": self.world, "step": step, "versions": versions})

@@ -8,12 +8,15 @@ store path with another ``output_dir`` keeps its manifest beside its rank stores
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 import pytest
 import torch
 from test_data_parallel import _launch, _results
+
+from trainer.distributed import MANIFEST
 
 Q8 = ("--batch", "2", "--compression", "q8")
 
@@ -53,6 +56,29 @@ def _kill_between_phases(tmp: Any, *extra: str) -> None:
     log0 = (tmp / "k-rank0.log").read_text()
     assert rc1 == -9 and rc0 not in (0, None), (rc0, rc1, log0[-3000:])
     assert "DistributedError" in log0, log0[-3000:]
+
+
+@pytest.mark.parametrize("limit", [None, 1, 2])
+def test_a_rank_killed_between_the_checkpoint_phases_resumes_bit_for_bit(
+        tmp_path: Any, reference: list[dict[str, Any]], limit: int | None) -> None:
+    extra = () if limit is None else ("--save-total-limit", str(limit))
+    _kill_between_phases(tmp_path, *extra)
+    manifest = json.loads((tmp_path / "run" / "store" / MANIFEST).read_text())
+    assert manifest["step"] == 2  # both ranks committed step 3: both roll back to the manifest
+    got = _with_moments(tmp_path, "r", _results(tmp_path, "r", 2, *Q8, "--resume", *extra))
+    _same_run(got, reference)
+    for r in got:  # the limit, or the manifest's version and the next one (at least 2)
+        assert len(r["versions"]) <= max(2, limit or 99)
+
+
+def test_a_second_kill_right_after_a_rolled_back_resume_resumes_bit_for_bit(
+        tmp_path: Any, reference: list[dict[str, Any]]) -> None:
+    # the resumed run dies between the phases of its first checkpoint: the manifest must name
+    # versions the ranks still hold (the rolled-back ones), not the ones retention dropped since
+    _kill_between_phases(tmp_path, "--save-total-limit", "1")
+    _kill_between_phases(tmp_path, "--save-total-limit", "1", "--resume")
+    got = _with_moments(tmp_path, "r", _results(tmp_path, "r", 2, *Q8, "--resume", "--save-total-limit", "1"))
+    _same_run(got, reference)
 
 
 def test_rollback_of_q8_moments_restores_the_stored_bytes(tmp_path: Any, reference: list[dict[str, Any]]) -> None:
