@@ -32,9 +32,13 @@ and every wait is bounded by ``ddp_timeout`` seconds; either surfaces as ``Distr
 
 Checkpoints are a two-phase commit: every rank commits its store, then rank 0 writes
 ``<store>/dp-manifest.json`` (fsync, atomic rename) naming each rank's version; only a step the
-manifest names is a checkpoint. A rank whose store committed past the manifest (a peer died
-between the two phases) is rolled back to the manifest's version on resume. Resuming with
-another N raises ``DistributedError`` naming both.
+manifest names is a checkpoint. ``<store>`` is the folder holding the rank stores a run has
+open (``manifest_root``), whatever its ``output_dir``. A rank whose store committed past the
+manifest (a peer died between the two phases) is rolled back to the manifest's version on
+resume (``Store.restore``: the stored bytes), and the resume rewrites the manifest. Invariant:
+every rank's store holds the version the manifest names, or its last commit has the manifest's
+step: each store keeps at least 2 commits (``retention``), and the manifest is rewritten before
+a rank commits past a rollback. Resuming with another N raises ``DistributedError`` naming both.
 """
 
 from __future__ import annotations
@@ -79,6 +83,16 @@ def rank_store_path(root: str) -> str:
     """This rank's store under ``root`` (``root`` itself in a single process)."""
     rank, world, _ = env_world()
     return root if world == 1 else os.path.join(root, RANK_DIR.format(rank))
+
+
+def manifest_root(rank_store: str) -> str:
+    """Where the manifest of the rank store at ``rank_store`` lives: the folder holding the rank stores.
+
+    Derived from the store a rank has open, never from ``output_dir``: a run resumed from an
+    explicit store path with another ``output_dir`` keeps its checkpoints, manifest included,
+    with the stores they describe.
+    """
+    return os.path.dirname(os.path.normpath(rank_store))
 
 
 def read_manifest(root: str) -> dict[str, Any] | None:

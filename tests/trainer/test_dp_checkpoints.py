@@ -9,6 +9,7 @@ store path with another ``output_dir`` keeps its manifest beside its rank stores
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -87,3 +88,21 @@ def test_rollback_of_q8_moments_restores_the_stored_bytes(tmp_path: Any, referen
     got = _with_moments(tmp_path, "r", _results(tmp_path, "r", 2, *Q8, "--resume"))
     _same_run(got, reference)
     assert any(t.dtype == torch.float32 and t.dim() == 2 for t in got[0]["moments"].values())
+
+
+def test_resume_from_a_store_path_with_another_output_dir(tmp_path_factory: Any,
+                                                          reference: list[dict[str, Any]]) -> None:
+    first, second = tmp_path_factory.mktemp("first"), tmp_path_factory.mktemp("second")
+    _results(first, "a", 2, *Q8, "--stop", "2")
+    root = first / "run" / "store"
+    # the new output_dir does not exist yet: the checkpoints still go to the stores resumed from
+    got = _with_moments(second, "b", _results(second, "b", 2, *Q8, "--resume-from", str(root)))
+    _same_run(got, reference)
+    assert [r["store"] for r in got] == [os.path.realpath(root / f"rank-{r}") for r in range(2)]
+    assert json.loads((root / MANIFEST).read_text())["step"] == 4
+    assert not (second / "run" / "store").exists()
+    # a later resume from the same stores starts at step 4: no rank is rolled back past it
+    again = _results(second, "c", 2, *Q8, "--resume-from", str(root))
+    assert [r["step"] for r in again] == [4, 4]
+    for name, t in reference[0]["weights"].items():
+        assert torch.equal(again[0]["weights"][name], t), name
