@@ -1027,6 +1027,43 @@ class AsyncStore(ReadPath):
         finally:
             self._borrows.release(key)
 
+    # ---------------------------------------------------------------- restore
+
+    async def restore(self, key: str, version: int) -> None:
+        """Make ``key``'s head the generation that retained commit ``version`` holds for it.
+
+        No byte moves and nothing is re-encoded: the head points at the stored generation
+        again, with its codec, chunk grid and sharded layout (a get then put would re-encode,
+        and the lossy codecs are not idempotent). Invariant: a generation the head references
+        is never deleted. It holds because the generation is in ``_committed`` (a retained
+        commit names it): ``_collect`` deletes only generations a commit dropped from
+        ``_records`` or that ``_retire_soon`` retired as never committed, and the next commit,
+        which names the head, keeps it. The head changes under the commit lock (a commit owns
+        the head while it runs) and the key's borrow (an update or put of it ends first).
+        ``StoreNotFound`` if ``version`` is not retained, ``KeyNotFound`` if it lacks ``key``.
+        """
+        self._check_writable()
+        validate_key(key)
+        assert self._commit_lock is not None
+        await self._borrows.acquire(key)  # an update or put of it ends first
+        try:
+            async with self._commit_lock:
+                # no await from here on: the head changes whole or not at all
+                commit = next((c for c in self._commits if c.version == version), None)
+                if commit is None:
+                    raise StoreNotFound(f"restore({key!r}, {version}): version {version} is not retained "
+                                        f"(retained: {[c.version for c in self._commits]})")
+                gen = commit.generations.get(key)
+                if gen is None:
+                    raise KeyNotFound(f"restore({key!r}, {version}): version {version} has no key {key!r}")
+                rec = self._records[gen]
+                old = self._head.get(key)
+                self._head[key] = rec
+                if old is not None and old.generation != gen and old.generation not in self._committed:
+                    self._retire_soon(old.key, old.generation, old.grid.n_chunks)
+        finally:
+            self._borrows.release(key)
+
     def versions(self) -> list[Commit]:
         """Retained commits, oldest first."""
         self._check_open()

@@ -344,6 +344,11 @@ class Store:
         self._refuse_held(key)
         self._running().run(self._a.delete(key))
 
+    def restore(self, key: str, version: int) -> None:
+        """Make ``key``'s head what retained commit ``version`` holds (its stored bytes, no re-encode)."""
+        self._refuse_held(key)
+        self._running().run(self._a.restore(key, version))
+
     def commit(self, step: int | None = None, message: str = "") -> int:
         """Make the head a durable, atomic version; returns its id."""
         self._refuse_held(None)

@@ -349,12 +349,15 @@ class Trainer:
             save_state(self.store, self.state)
             version = self.store.commit(step=self.state.global_step, message=f"trainer step {self.state.global_step}")
         if self._dp is not None:  # phase two: the manifest makes the step a checkpoint on every rank
-            self._dp.commit_manifest(self._store_root(), self.state.global_step, version)
+            self._dp.commit_manifest(distributed.manifest_root(self.store.path), self.state.global_step, version)
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def _open_for_resume(self, resume: Any) -> None:
         default = self._default_store_path()
         root = self._store_root() if resume is True else os.fspath(resume)
+        if (self._dp is not None and distributed.read_manifest(root) is None
+                and distributed.read_manifest(os.path.join(root, "store")) is not None):
+            root = os.path.join(root, "store")  # a run folder holding store/, as resolve_resume takes it
         world = 1 if self._dp is None else self._dp.world
         manifest = distributed.check_world(root, world) if os.path.isdir(root) else None
         if self._dp is not None:
@@ -373,6 +376,10 @@ class Trainer:
             # this rank committed past the last complete checkpoint (a peer died between the phases)
             with self._lock:
                 distributed.rollback(self._store, manifest["versions"][self._dp.rank], manifest["step"])
+        if manifest is not None and self._dp is not None:
+            # name each rank's head (a rolled-back rank's is a new version) before any new commit
+            last = self._store.versions()[-1]
+            self._dp.commit_manifest(distributed.manifest_root(self._store.path), last.step, last.version)
         steps = [v.step for v in self._store.versions()]
         if step is not None and step != steps[-1]:
             # a writer continues from the head, which is the last commit: older ones are read-only
@@ -420,7 +427,8 @@ class Trainer:
             self._mark_process_zero(self.state)
         store = self.store
         # save_total_limit, else mt.init(keep_last=), else every checkpoint (as transformers)
-        store.config.keep_last = cfg.save_total_limit or _session.keep_last or 1 << 30
+        keep = cfg.save_total_limit or _session.keep_last or 1 << 30
+        store.config.keep_last = keep if self._dp is None else distributed.retention(keep)
         with self._lock:
             save_hf_files(store, self.model, self.processing_class)
         start = self.state.global_step

@@ -32,9 +32,13 @@ and every wait is bounded by ``ddp_timeout`` seconds; either surfaces as ``Distr
 
 Checkpoints are a two-phase commit: every rank commits its store, then rank 0 writes
 ``<store>/dp-manifest.json`` (fsync, atomic rename) naming each rank's version; only a step the
-manifest names is a checkpoint. A rank whose store committed past the manifest (a peer died
-between the two phases) is rolled back to the manifest's version on resume. Resuming with
-another N raises ``DistributedError`` naming both.
+manifest names is a checkpoint. ``<store>`` is the folder holding the rank stores a run has
+open (``manifest_root``), whatever its ``output_dir``. A rank whose store committed past the
+manifest (a peer died between the two phases) is rolled back to the manifest's version on
+resume (``Store.restore``: the stored bytes), and the resume rewrites the manifest. Invariant:
+every rank's store holds the version the manifest names, or its last commit has the manifest's
+step: each store keeps at least 2 commits (``retention``), and the manifest is rewritten before
+a rank commits past a rollback. Resuming with another N raises ``DistributedError`` naming both.
 """
 
 from __future__ import annotations
@@ -81,6 +85,16 @@ def rank_store_path(root: str) -> str:
     return root if world == 1 else os.path.join(root, RANK_DIR.format(rank))
 
 
+def manifest_root(rank_store: str) -> str:
+    """Where the manifest of the rank store at ``rank_store`` lives: the folder holding the rank stores.
+
+    Derived from the store a rank has open, never from ``output_dir``: a run resumed from an
+    explicit store path with another ``output_dir`` keeps its checkpoints, manifest included,
+    with the stores they describe.
+    """
+    return os.path.dirname(os.path.normpath(rank_store))
+
+
 def read_manifest(root: str) -> dict[str, Any] | None:
     """The data-parallel checkpoint manifest at ``root``, or None."""
     path = os.path.join(root, MANIFEST)
@@ -115,6 +129,17 @@ def check_world(root: str, world: int) -> dict[str, Any] | None:
             f"the checkpoint at {root} was written by {have} rank(s) and this run has {world}: resharding "
             f"the optimizer state is not implemented; resume with {how}")
     return man
+
+
+def retention(keep_last: int) -> int:
+    """The commits each rank's store keeps for ``keep_last`` (``save_total_limit``): at least 2.
+
+    Between the two phases of a checkpoint a rank's store holds the new commit while the manifest
+    still names the one before it; if a peer dies then, resume rolls back to that one, so it
+    must outlive the new commit: with ``save_total_limit=1`` each rank keeps the commit the
+    manifest names beside the newest (one more on disk), as torchtitan keeps at least 2.
+    """
+    return max(2, keep_last)
 
 
 def local_rows(micro: list[dict[str, torch.Tensor]], rank: int, world: int) -> list[dict[str, torch.Tensor]]:
@@ -334,7 +359,11 @@ class DataParallel:
         return [int(x) for x in full]
 
     def commit_manifest(self, root: str, step: int, version: int) -> None:
-        """Phase two of a checkpoint: rank 0 names every rank's committed version; all wait for it."""
+        """Phase two of a checkpoint: rank 0 names every rank's committed version; all wait for it.
+
+        Also written on resume, once every rank's head is the manifest's step again: a rank
+        rolled back has a new version, and the next checkpoint's retention may drop the old one.
+        """
         versions = self.gather_ints(version)
         if self.rank == 0:
             write_manifest(root, {"world_size": self.world, "step": step, "versions": versions})
@@ -422,24 +451,21 @@ def from_env(timeout_s: float, device: torch.device) -> DataParallel | None:
 def rollback(store: Any, version: int, step: int) -> None:
     """Make the store's head equal its commit ``version`` again (a commit past the manifest is dropped).
 
-    The store continues from its last commit only, so the manifest's version is copied back into
-    the head and committed anew; a rare path (a rank died between the two phases of a commit).
+    The store continues from its last commit only, so every key's head is pointed back at the
+    generation ``version`` holds (``Store.restore``: the stored bytes, no re-encode, so quantized
+    moments, whose stochastic rounding is not idempotent, and sharded layouts come back exactly),
+    keys it lacks are deleted, and that is committed anew; a rare path (a rank died between the
+    two phases of a commit).
     """
-    import tierstore
-
-    have = [v.version for v in store.versions()]
-    if version not in have:
+    commits = {c.version: c for c in store.versions()}
+    if version not in commits:
         raise DistributedError(
             f"the store at {store.path} no longer holds version {version} that the data-parallel manifest "
-            f"names (it holds {have}); keep at least 2 checkpoints (save_total_limit >= 2) in data parallel")
-    ro = tierstore.open(store.path, mode="r", version=version)
-    try:
-        keep = set(ro.keys())
-        for key in store.keys():
-            if key not in keep:
-                store.delete(key)
-        for key in sorted(keep):
-            store.put(key, ro.get(key), codec=ro.info(key).codec)
-    finally:
-        ro.close()
+            f"names (it holds {sorted(commits)}): its retention dropped it")
+    keep = commits[version].generations
+    for key in store.keys():
+        if key not in keep:
+            store.delete(key)
+    for key in sorted(keep):
+        store.restore(key, version)
     store.commit(step=step, message=f"trainer step {step} (rolled back to version {version})")

@@ -99,6 +99,24 @@ class Model:
             elif outcome == "unknown":
                 self.head[key].add(vid)
 
+    def restore_end(self, key: str, vids: set[int], outcome: str) -> None:
+        """A restore of ``key`` ended (its ``vids`` each began with ``write_begin``): ``done``,
+        ``unknown`` or ``none``, as ``write_end``; done, the head is one of ``vids``."""
+        with self.lock:
+            self._writing[key] -= vids
+            if outcome == "done":
+                self.head[key] = set(vids)
+            elif outcome == "unknown":
+                self.head[key] |= vids
+
+    def version_values(self, key: str, version: int) -> set[int]:
+        """The ids ``key`` may have in ``version`` (every value it ever had when the model does not know it)."""
+        with self.lock:
+            alts = self.versions.get(version)
+            if not alts:
+                return set(self.ever[key])
+            return set().union(*(a.get(key, frozenset({ABSENT})) for a in alts))
+
     def commit_begin(self) -> int:
         """A commit starts: it captures each key's head now or any write overlapping it."""
         with self.lock:

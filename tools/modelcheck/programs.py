@@ -35,6 +35,7 @@ FEATURES = (
     "update",  # update(): the lent value checked against the model, overwritten in place
     "finalize",  # barriers that drop the store in a reference cycle without close, collect it
     #              (on its own loop thread or the caller's) and reopen
+    "restore",  # restore(): an own key's head made a random retained version's generation again
 )
 
 #: features that hit a known, unfixed store defect: their test variants are xfail(strict=False)
@@ -59,7 +60,7 @@ INDEX_KINDS = ("list", "tensor", "tensor2d", "int", "npint", "tensor0d", "nparra
 class Op:
     """One call of a program; which fields matter depends on ``kind``."""
 
-    kind: str  # put get slice gather delete commit prefetch cancel mark_step | barrier kinds
+    kind: str  # put get slice gather delete restore commit prefetch cancel mark_step | barrier kinds
     actor: int = -1  # -1: a barrier, run alone after the phase's actors
     key: str = ""
     vid: int = 0  # put: the value's id (the tensor is a function of it)
@@ -82,6 +83,7 @@ class Op:
     shard_rows: int = 0  # put: rows per shard file (0: the store's default)
     copy: bool = True  # put: False hands the tensor's memory over; get (device): False borrows
     chunked: bool = False  # update: lent as one flat view per chunk
+    pick: int = 0  # restore: which retained version (modulo how many there are when it runs)
 
     def describe(self) -> str:
         """One line for a listing of the program."""
@@ -95,6 +97,8 @@ class Op:
                 what += " copy=False"
         elif k == "update":
             what = f"update {self.key} -> v{self.vid}" + (" chunked" if self.chunked else "")
+        elif k == "restore":
+            what = f"restore {self.key} to retained version #{self.pick} (modulo their count)"
         elif k in ("get", "delete"):
             what = f"{k} {self.key}" + (" device" if self.device else "") + ("" if self.copy else " copy=False")
         elif k == "slice":
@@ -209,6 +213,9 @@ def _actor_op(rng: random.Random, actor: int, is_async: bool, all_keys: list[str
     elif r < 0.62:
         other = "cross_reads" in feats and rng.random() < 0.4
         op = _read_op(rng, actor, rng.choice(all_keys) if other else key, feats)
+    elif r < 0.72 and "restore" in feats and rng.random() < 0.5:
+        # drawn only with the feature, so programs without it stay what their seeds gave before
+        op = Op("restore", actor, key, pick=rng.randrange(1000))
     elif r < 0.72:
         op = Op("delete", actor, key)
     elif r < 0.8:
@@ -222,7 +229,7 @@ def _actor_op(rng: random.Random, actor: int, is_async: bool, all_keys: list[str
     else:
         op = _read_op(rng, actor, key, feats)
     if is_async and ("cancel" in feats or "cancel_commit" in feats) and rng.random() < 0.25:
-        cancellable = ("put", "get", "slice", "gather", "delete", "prefetch", "update") \
+        cancellable = ("put", "get", "slice", "gather", "delete", "prefetch", "update", "restore") \
             if "cancel" in feats else ()
         if op.kind == "commit" and "cancel_commit" not in feats:
             return op

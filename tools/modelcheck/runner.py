@@ -30,7 +30,14 @@ import torch
 
 import tierstore
 from tierstore import sync as tierstore_sync
-from tierstore.errors import BudgetError, DiskError, InvalidIndex, KeyNotFound, StoreError
+from tierstore.errors import (
+    BudgetError,
+    DiskError,
+    InvalidIndex,
+    KeyNotFound,
+    StoreError,
+    StoreNotFound,
+)
 from tierstore.faults import FaultPlan
 from tools.modelcheck.model import ABSENT, Model, consistent, same_tensor
 from tools.modelcheck.programs import Op, Program, without, without_phase
@@ -240,6 +247,8 @@ class Runner:
 
             m.write_begin(op.key, ABSENT)
             return _Call(lambda a: a.delete(op.key), lambda s: s.delete(op.key), finish_delete)
+        if kind == "restore":
+            return self._prepare_restore(op)
         if kind == "commit":
             token = m.commit_begin()
 
@@ -282,6 +291,54 @@ class Runner:
             return _Call(step, lambda s: s.mark_step(), lambda r, e, c: None if e is None else
                          self._unexpected(op, e))
         raise AssertionError(f"not an actor operation: {kind}")
+
+    def _prepare_restore(self, op: Op) -> _Call:
+        """A restore of an own key to a retained version, picked when it runs; the model knows its values."""
+        m = self.model
+        #: set when the call starts (a wait_for may cancel it before): the version and its values
+        began: dict[str, Any] = {}
+
+        def start(versions: list[int]) -> int:
+            v = versions[op.pick % len(versions)] if versions else 0  # none: version 0 is not retained
+            began["version"], began["vids"] = v, m.version_values(op.key, v)
+            for vid in began["vids"]:
+                m.write_begin(op.key, vid)  # a racing commit may capture any of them
+            return v
+
+        async def run_async(a: tierstore.AsyncStore) -> None:
+            await a.restore(op.key, start([c.version for c in a.versions()]))
+
+        def run_sync(s: tierstore.Store) -> None:
+            s.restore(op.key, start([c.version for c in s.versions()]))
+
+        def finish(res: Any, exc: BaseException | None, cancelled: bool) -> None:
+            if not began:
+                return  # cancelled before it started
+            v, vids = began["version"], began["vids"]
+            present = vids - {ABSENT}
+            what = f"{op.describe()} (version {v}, model {vids})"
+            if exc is None and not cancelled:
+                if not present:
+                    m.fail(f"{what} succeeded but the version cannot hold the key")
+                m.restore_end(op.key, vids, "none")
+                m.restore_end(op.key, present, "done")
+            elif isinstance(exc, KeyNotFound) and not isinstance(exc, StoreNotFound):
+                if ABSENT not in vids:
+                    m.fail(f"{what} raised KeyNotFound: {exc}")
+                m.restore_end(op.key, vids, "none")
+            elif isinstance(exc, StoreNotFound):
+                # allowed only for a version a racing commit's retention dropped (never back)
+                if v in [c.version for c in self.store.async_store.versions()]:  # type: ignore[union-attr]
+                    m.fail(f"{what} raised StoreNotFound for a retained version: {exc}")
+                m.restore_end(op.key, vids, "none")
+            elif cancelled or self._allowed(exc):  # type: ignore[arg-type]
+                m.restore_end(op.key, vids, "none")
+                m.restore_end(op.key, present, "unknown")
+            else:
+                m.restore_end(op.key, vids, "none")
+                self._unexpected(op, exc)  # type: ignore[arg-type]
+
+        return _Call(run_async, run_sync, finish)
 
     def _prepare_update(self, op: Op) -> _Call:
         """An update of an own key: the lent value must be one the model allows; it becomes ``op.vid``."""
