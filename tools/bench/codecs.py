@@ -1,7 +1,7 @@
 """Codec benchmark: compression ratio, error on real Adam moments, v zeroing, throughput.
 
-Run ``python -m tools.bench_codecs [--steps N] [--chunk-mib M] [--repeats R]``. Moments come
-from a short AdamW run of a tiny byte-level Llama (``tools.moments``); the parameters the
+Run ``python -m tools.bench.codecs [--steps N] [--chunk-mib M] [--repeats R]``. Moments come
+from a short AdamW run of a tiny byte-level Llama (``tools.bench.moments``); the parameters the
 trainer's policy would quantize (2-D, >= 4096 elements) are each encoded in their own shape, as
 the store encodes a chunk. Each quantized codec stores m signed and v unsigned, as the policy
 chooses; "q4 signed v" shows what a signed map does to v. torchao's 8-bit and 4-bit optimizer
@@ -11,7 +11,7 @@ states (block 128, its AdamW8bit/AdamW4bit subclasses; eager, and the 4-bit one 
 Columns: ratio = fp32 bytes / stored bytes (scales included) over m and v; m err, v err =
 relative L2 error over all captured tensors; v+ -> 0 = fraction of positive v decoded to zero;
 upd err = relative L2 error of Adam's update m / (sqrt(v) + 1e-8) from decoded states; syn m,
-syn v = relative L2 error on ``tools.moments.synthetic_moments`` (heavy-tailed, many decades)
+syn v = relative L2 error on ``tools.bench.moments.synthetic_moments`` (heavy-tailed, many decades)
 as a (rows, 256) matrix; GB/s = fp32 bytes of m and v encoded and decoded per second (median
 of --repeats runs) on one --chunk-mib chunk each, the captured matrices tiled by rows.
 
@@ -34,7 +34,7 @@ import torch
 
 from tierstore import codecs
 from tierstore.codecs import quant
-from tools.moments import captured_moments, synthetic_moments
+from tools.bench.moments import captured_moments, synthetic_moments
 
 RoundTrip = Callable[[torch.Tensor], torch.Tensor]
 

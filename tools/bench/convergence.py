@@ -1,6 +1,6 @@
 """Convergence benchmark: AdamW whose moments round-trip through a codec every step vs fp32.
 
-Run ``python -m tools.bench_convergence [--steps N] [--seeds S] [--codecs q8,q4,q3,q2]``. A
+Run ``python -m tools.bench.convergence [--steps N] [--seeds S] [--codecs q8,q4,q3,q2]``. A
 byte-level Llama (transformers ``LlamaConfig``, about 1.1M parameters at the defaults) trains on
 the Python standard library's sources with ``torch.optim.AdamW``; after every ``step()`` each
 parameter's ``exp_avg`` and ``exp_avg_sq`` are replaced by ``decode(encode(.))`` with the codec
@@ -25,7 +25,7 @@ appends every finished run (its cell, seed, losses and curve) to FILE as it ends
 a grid cut short, or split over several processes, still reports what finished.
 
 The record: ``--runs-jsonl FILE`` also skips every run FILE already holds (same codec specs,
-size, lr, seed, steps, batch; ``tools.convergence_runs``), so a grid grows run by run across
+size, lr, seed, steps, batch; ``tools.bench.convergence_runs``), so a grid grows run by run across
 invocations. ``--grid`` is the standing one, recorded in ``docs/convergence/runs.jsonl``:
 1.1M, 4.33M and 14.4M params x lr 1e-3, 3e-3 x seeds 0, 1 x fp32, q8, q4 with dithered ``m``
 and the same with ``m`` at q5, 300 steps, smallest first; ``--max-minutes M`` starts no run that would end after M minutes (by the time the same
@@ -44,14 +44,14 @@ from typing import Any
 import torch
 
 from tierstore.errors import CodecError
-from tools import convergence_runs
-from tools.moments import byte_batches, lm_loss, moment_codec_pair, stdlib_bytes, tiny_model
+from tools.bench import convergence_runs
+from tools.bench.moments import byte_batches, lm_loss, moment_codec_pair, stdlib_bytes, tiny_model
 
 
 def round_trip_states(opt: torch.optim.Optimizer, requested: str) -> tuple[int, int]:
     """Replace every AdamW moment by its codec round trip; (quantized, total) element counts.
 
-    ``requested`` is a codec request in ``tools.moments.moment_codec_pair``'s grammar: a codec
+    ``requested`` is a codec request in ``tools.bench.moments.moment_codec_pair``'s grammar: a codec
     name, optionally with a rounding suffix (``"q2:stochastic"``, or m's and v's apart:
     ``"q4:calibrated/stochastic"``) and parameters of m's codec (``"q4+signed_map=de"``).
     """
@@ -250,7 +250,7 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--codecs", default=None,
                     help=f"default {DEFAULT_CODECS} ({GRID_CODECS} with --grid): "
                          "comma-separated codec requests, each NAME[:ROUNDING][+KEY=VALUE...] "
-                         "(tools.moments.moment_codec_pair)")
+                         "(tools.bench.moments.moment_codec_pair)")
     ap.add_argument("--seeds", type=int, default=3,
                     help="paired seeds (weights and data order) per codec; gaps are averaged")
     ap.add_argument("--hidden", type=int, default=128, help="model width (without --sizes)")
@@ -273,7 +273,7 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--png", default=None, help="write the loss curves of every cell to this PNG")
     ap.add_argument("--runs-jsonl", default=None,
                     help="append every finished run to this file, and skip the runs it already "
-                         "holds (tools.convergence_runs)")
+                         "holds (tools.bench.convergence_runs)")
     ap.add_argument("--skip-fp32", action="store_true",
                     help="with --runs-jsonl: run only the codecs (the fp32 runs come from another "
                          "process writing the same file; fp32 runs are deterministic per seed)")
@@ -325,9 +325,9 @@ def report_jsonl(args: argparse.Namespace) -> int:
 
 MARKDOWN_HEAD = """# Convergence record
 
-Generated from `{record}` by `python -m tools.bench_convergence --from-jsonl {record}
+Generated from `{record}` by `python -m tools.bench.convergence --from-jsonl {record}
 --markdown docs/convergence/README.md --png docs/convergence/curves.png` (do not edit by hand).
-Every row: runs of {steps} steps of `tools.bench_convergence` (byte-level Llama, AdamW betas
+Every row: runs of {steps} steps of `tools.bench.convergence` (byte-level Llama, AdamW betas
 (0.9, 0.95), weight decay 0.1, clipping 1.0, 5% warm-up, batch 8x128 bytes); `vs fp32` is the
 mean over seeds of the gap to the same seed's fp32 run (min..max over seeds); CPU seconds of
 one run at one torch thread on the machine each line of the record names. Codec specs, commits

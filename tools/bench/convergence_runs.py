@@ -1,4 +1,4 @@
-"""The convergence record: one JSON line per finished ``tools.bench_convergence`` run.
+"""The convergence record: one JSON line per finished ``tools.bench.convergence`` run.
 
 The file (``docs/convergence/runs.jsonl`` in the repository) only grows: a run is appended
 when it ends, and a run whose *key* is already in the file is not run again, so a grid too long
@@ -35,7 +35,7 @@ def codec_specs(requested: str | None) -> dict[str, Any]:
     with (``{}`` for fp32)."""
     if requested is None:
         return {}
-    from tools.moments import moment_codec_pair
+    from tools.bench.moments import moment_codec_pair
 
     pair = moment_codec_pair(requested, SPEC_SHAPE)
     assert pair is not None, "a 256x256 tensor is always quantized under a lossy request"

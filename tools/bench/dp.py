@@ -1,6 +1,6 @@
 """Benchmark: data parallel on N gloo ranks vs one process, same per-rank batch (tokens/s, bytes per rank).
 
-    python -m tools.bench_dp [--ranks 2] [--steps 6] [--batch 4] [--seq 128] [--hidden 256] [--layers 4]
+    python -m tools.bench.dp [--ranks 2] [--steps 6] [--batch 4] [--seq 128] [--hidden 256] [--layers 4]
 
 Each configuration runs as separate processes on localhost with torchrun's environment variables
 (``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``), so the same training script runs in
@@ -94,7 +94,7 @@ def _launch(world: int, a: argparse.Namespace, folder: str) -> tuple[float, list
             env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
         out = os.path.join(folder, f"rank{rank}.json")
-        cmd = [sys.executable, "-m", "tools.bench_dp", "--_rank", "--out", out, "--run-dir", os.path.join(folder, "run"),
+        cmd = [sys.executable, "-m", "tools.bench.dp", "--_rank", "--out", out, "--run-dir", os.path.join(folder, "run"),
                "--threads", str(threads), "--steps", str(a.steps), "--batch", str(a.batch), "--seq", str(a.seq),
                "--hidden", str(a.hidden), "--layers", str(a.layers)]
         procs.append((subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out))
@@ -111,7 +111,7 @@ def _launch(world: int, a: argparse.Namespace, folder: str) -> tuple[float, list
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Run 1 process, then N ranks, and print one table."""
-    p = argparse.ArgumentParser(prog="tools.bench_dp", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="tools.bench.dp", description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--batch", type=int, default=4)

@@ -1,6 +1,6 @@
 """Row gathers from a sharded table vs ``numpy.memmap`` fancy indexing, measured in one run.
 
-    python -m tools.bench_gather [--table-gib 2] [--ram-mib 256] [--cols 1024] [--chunk-rows 1]
+    python -m tools.bench.gather [--table-gib 2] [--ram-mib 256] [--cols 1024] [--chunk-rows 1]
                                  [--rows 1,32,1024] [--warm-repeats 30] [--cold-repeats 7]
                                  [--reread]
 

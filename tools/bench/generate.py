@@ -1,6 +1,6 @@
 """Benchmark: mt.generate vs transformers in memory and accelerate's ``disk_offload``, same model.
 
-    python -m tools.bench_generate [--quick] [--rounds 3] [--new 16] [--big-batch 32] [--dir DIR] [--device cpu]
+    python -m tools.bench.generate [--quick] [--rounds 3] [--new 16] [--big-batch 32] [--dir DIR] [--device cpu]
 
 A Llama-style model is built from a config (no downloads; about 23.4M parameters by default, the size
 of the figures in docs/benchmarks.md). Greedy generation of ``--new`` tokens after a ``--prompt``-token prompt runs
@@ -42,7 +42,7 @@ def _config(a: argparse.Namespace) -> Any:
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The model and prompt options this benchmark and ``tools.check_generate`` share."""
+    """The model and prompt options this benchmark and ``tools.harness.check_generate`` share."""
     p.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     p.add_argument("--new", type=int, default=16, help="new tokens")
     p.add_argument("--hidden", type=int, default=512)
@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import trainer as mt
     from trainer.generate import kv_workspace_bytes
 
-    p = argparse.ArgumentParser(prog="tools.bench_generate", description=__doc__,
+    p = argparse.ArgumentParser(prog="tools.bench.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a short run: 4 new tokens, big batch 8, 3 rounds")
     p.add_argument("--rounds", type=int, default=3, help="alternating timed rounds (the median is shown)")

@@ -1,8 +1,8 @@
 """Where coded Adam moments change the update: per-step statistics against fp32 AdamW.
 
-Run ``python -m tools.moment_stats [--steps N] [--hidden H] [--codecs q8,q4,q3,q2]
+Run ``python -m tools.bench.moment_stats [--steps N] [--hidden H] [--codecs q8,q4,q3,q2]
 [--roundings nearest,stochastic]``. The model, data and AdamW settings are those of
-``tools.bench_convergence``; AdamW runs with fp32 moments, and on the *same* clipped gradients
+``tools.bench.convergence``; AdamW runs with fp32 moments, and on the *same* clipped gradients
 of every step each codec keeps a shadow pair of coded moments, updated as a coded run updates
 them (``m = beta1 * dec(enc(m)) + (1 - beta1) * g``, the update taken, then encoded again), so
 the shadow sees exactly the error a coded run accumulates, without the coded run's different
@@ -28,7 +28,7 @@ import torch
 from tierstore import codecs
 from tierstore.codecs import quant
 from tierstore.errors import CodecError
-from tools.moments import byte_batches, lm_loss, moment_codec_pair, stdlib_bytes, tiny_model
+from tools.bench.moments import byte_batches, lm_loss, moment_codec_pair, stdlib_bytes, tiny_model
 
 STAT_KEYS = ("ratio", "cos", "ratio1", "cos1", "m_gain", "m_err", "isqrt", "v_gain")
 
@@ -42,7 +42,7 @@ def round_trip(codec: codecs.Codec, t: torch.Tensor) -> torch.Tensor:
 
 
 def moment_codecs(requested: str, shape: tuple[int, ...]) -> tuple[codecs.Codec, codecs.Codec] | None:
-    """(m codec, v codec) for ``requested`` (``tools.moments.moment_codec_pair``'s grammar)."""
+    """(m codec, v codec) for ``requested`` (``tools.bench.moments.moment_codec_pair``'s grammar)."""
     return moment_codec_pair(requested, shape)
 
 
@@ -136,7 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=100, help="training steps")
     ap.add_argument("--codecs", default="q8,q4,q3,q2",
                     help="comma-separated codec names, each optionally with +KEY=VALUE parameters of "
-                         "m's codec or +m=NAME (tools.moments.moment_codec_pair)")
+                         "m's codec or +m=NAME (tools.bench.moments.moment_codec_pair)")
     ap.add_argument("--roundings", default="nearest,stochastic",
                     help="comma-separated roundings, each tried with every codec")
     ap.add_argument("--parts", default="mv",

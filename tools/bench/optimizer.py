@@ -1,6 +1,6 @@
 """Benchmark: the trainer's CPU AdamW over store-resident state vs the same update in memory.
 
-    python -m tools.bench_optimizer [--params-m 64] [--tensors 8] [--codec raw] [--ram-fraction 2]
+    python -m tools.bench.optimizer [--params-m 64] [--tensors 8] [--codec raw] [--ram-fraction 2]
                                     [--repeats 5] [--dir DIR]
 
 One "step" updates ``--tensors`` fp32 tensors of ``--params-m`` million parameters in all:
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tools.bench_store import alternated_medians
+from tools.bench.store import alternated_medians
 from tools.table import render_table
 
 
@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import tierstore
     from trainer.optimizer import AdamWHyper, StoreAdamW
 
-    p = argparse.ArgumentParser(prog="tools.bench_optimizer", description=__doc__,
+    p = argparse.ArgumentParser(prog="tools.bench.optimizer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params-m", type=float, default=64.0, help="million parameters in all")
     p.add_argument("--tensors", type=int, default=8)

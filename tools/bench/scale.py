@@ -1,6 +1,6 @@
 """Train a Llama-style model larger than RAM on this machine; report memory, disk, bytes and time.
 
-    python -m tools.bench_scale --params 4B [--steps 3] [--seq 128] [--ram-gb 4] [--vram-gb 2]
+    python -m tools.bench.scale --params 4B [--steps 3] [--seq 128] [--ram-gb 4] [--vram-gb 2]
 
 Builds a Llama-style config of about ``--params`` parameters (hidden size from a table, the
 layer count to reach the target, vocabulary 32000, untied head), initializes it directly in the
@@ -404,7 +404,7 @@ def _status_hwm(pid: int) -> int:
 def run_child(spec: ChildSpec, kill_after_commit: int | None = None, kill_delay: float = 0.0,
               nice: int = 0) -> RunResult:
     """Run one child; with ``kill_after_commit``, SIGKILL it ``kill_delay`` s after that step's commit."""
-    cmd = [sys.executable, "-m", "tools.bench_scale", "--child", json.dumps(asdict(spec))]
+    cmd = [sys.executable, "-m", "tools.bench.scale", "--child", json.dumps(asdict(spec))]
     if nice:
         cmd = ["nice", "-n", str(nice), *cmd]
     env = dict(os.environ)
@@ -476,7 +476,7 @@ def _gb(n: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the report."""
-    p = argparse.ArgumentParser(prog="tools.bench_scale", description=__doc__,
+    p = argparse.ArgumentParser(prog="tools.bench.scale", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--params", default="30M", help="model size: 30M, 1B, 4B, ... (default 30M)")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps (default 3)")

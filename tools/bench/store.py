@@ -1,6 +1,6 @@
 """Store throughput vs the raw disk and memcpy, measured in one run.
 
-    python -m tools.bench_store [--dir DIR] [--size 1GiB] [--tensor 64MiB] [--repeats 3]
+    python -m tools.bench.store [--dir DIR] [--size 1GiB] [--tensor 64MiB] [--repeats 3]
 
 - put: sequential puts of fp32 tensors through ``commit`` (fsync'd) vs a plain Python
   write + fsync of the same bytes to files on the same disk; once copying (``put``'s default:

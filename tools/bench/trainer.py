@@ -1,6 +1,6 @@
 """Benchmark: the streaming trainer vs plain in-memory PyTorch training of the same model and batch.
 
-    python -m tools.bench_trainer [--steps 4] [--rounds 2] [--batch 8] [--seq 256] [--dir DIR]
+    python -m tools.bench.trainer [--steps 4] [--rounds 2] [--batch 8] [--seq 256] [--dir DIR]
                                   [--timeline PNG]
 
 Plain PyTorch runs twice (with ``gradient_checkpointing_enable`` and without); the streaming
@@ -74,7 +74,7 @@ def _streaming(model: torch.nn.Module, dataset: Any, a: argparse.Namespace, vram
 
 def _draw_step(run_dir: str, step: int, out: str) -> None:
     """``tierstore trace run_dir --step step --out out``, printing its lanes."""
-    from tools import trace_cmd
+    from tools.cli import trace_cmd
 
     trace_cmd.run(argparse.Namespace(run_dir=run_dir, out=out, step=step))
 
@@ -85,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from trainer.data import collate, default_dataset
 
-    p = argparse.ArgumentParser(prog="tools.bench_trainer", description=__doc__,
+    p = argparse.ArgumentParser(prog="tools.bench.trainer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=4, help="timed steps per run (after one warm-up step)")
     p.add_argument("--batch", type=int, default=8)

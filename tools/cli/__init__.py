@@ -15,18 +15,18 @@ import traceback
 from types import ModuleType
 
 import tierstore
-from tools.errors import EXIT_FAULT, EXIT_USAGE, ToolError
+from tools.cli.errors import EXIT_FAULT, EXIT_USAGE, ToolError
 
 #: command name -> the module holding its ``add_arguments(parser)`` and ``run(args) -> int``
 COMMANDS = {
-    "inspect": "tools.inspect_cmd",
-    "verify": "tools.verify_cmd",
-    "export": "tools.export_cmd",
-    "import": "tools.import_cmd",
-    "bench": "tools.bench_cmd",
-    "trace": "tools.trace_cmd",
-    "train": "tools.train_cmd",
-    "generate": "tools.generate_cmd",
+    "inspect": "tools.cli.inspect_cmd",
+    "verify": "tools.cli.verify_cmd",
+    "export": "tools.cli.export_cmd",
+    "import": "tools.cli.import_cmd",
+    "bench": "tools.cli.bench_cmd",
+    "trace": "tools.cli.trace_cmd",
+    "train": "tools.cli.train_cmd",
+    "generate": "tools.cli.generate_cmd",
 }
 
 

@@ -23,11 +23,11 @@ import torch
 
 import tierstore
 from tierstore.export import write_safetensors
-from tools.errors import EXIT_OK, UsageError
-from tools.heap import return_freed_buffers_to_os
-from tools.hf_meta import HF_META, read_meta_file
-from tools.sizes import human_bytes, size_arg
-from tools.zarr_writer import write_zarr
+from tools.cli.errors import EXIT_OK, UsageError
+from tools.cli.heap import return_freed_buffers_to_os
+from tools.cli.hf_meta import HF_META, read_meta_file
+from tools.cli.sizes import human_bytes, size_arg
+from tools.cli.zarr_writer import write_zarr
 
 #: floating dtypes an export may cast to
 CAST_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}

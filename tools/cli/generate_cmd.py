@@ -23,8 +23,8 @@ import tempfile
 import time
 from typing import Any
 
-from tools.errors import EXIT_OK, UsageError
-from tools.sizes import size_arg
+from tools.cli.errors import EXIT_OK, UsageError
+from tools.cli.sizes import size_arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,14 +45,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _tokenizer(store: Any) -> Any:
     """The tokenizer kept under meta/hf/, or None."""
-    from tools.hf_meta import HF_META
+    from tools.cli.hf_meta import HF_META
 
     names = [k[len(HF_META):] for k in store.keys(prefix=HF_META)]
     if "tokenizer_config.json" not in names and "tokenizer.json" not in names:
         return None
     from transformers import AutoTokenizer
 
-    from tools.hf_meta import read_meta_file
+    from tools.cli.hf_meta import read_meta_file
 
     with tempfile.TemporaryDirectory(prefix="tierstore-tok-") as tmp:
         for name in names:
@@ -96,7 +96,7 @@ def _decode(ids: list[int], tok: Any) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Generate from the store; print each prompt's continuation on stdout."""
-    from tools.train_cmd import _trainer
+    from tools.cli.train_cmd import _trainer
 
     mt = _trainer("trainer", needs=("generate",))
     import torch

@@ -21,10 +21,10 @@ from tqdm import tqdm
 import tierstore
 from tierstore.export import INDEX_NAME, SINGLE_NAME
 from tierstore.safetensors import SafetensorsHeader, read_header, read_tensor
-from tools.errors import EXIT_OK, MalformedInput, UsageError
-from tools.heap import return_freed_buffers_to_os
-from tools.hf_meta import HF_FILES, put_meta_file
-from tools.sizes import human_bytes, size_arg
+from tools.cli.errors import EXIT_OK, MalformedInput, UsageError
+from tools.cli.heap import return_freed_buffers_to_os
+from tools.cli.hf_meta import HF_FILES, put_meta_file
+from tools.cli.sizes import human_bytes, size_arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 import tierstore
-from tools.sizes import human_bytes
+from tools.cli.sizes import human_bytes
 from tools.table import render_table
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import tierstore
-from tools.errors import UsageError
+from tools.cli.errors import UsageError
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 

@@ -12,7 +12,7 @@ import json
 from collections import defaultdict
 from typing import Any
 
-from tools.errors import MalformedInput
+from tools.cli.errors import MalformedInput
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -16,8 +16,15 @@ import glob
 import json
 import os
 
-from tools.errors import EXIT_OK, UsageError
-from tools.timeline import clip_spans, draw_timeline, lanes_of, load_trace, spans_of, step_window
+from tools.cli.errors import EXIT_OK, UsageError
+from tools.cli.timeline import (
+    clip_spans,
+    draw_timeline,
+    lanes_of,
+    load_trace,
+    spans_of,
+    step_window,
+)
 
 TRACE_NAME = "trace.json"
 

@@ -21,7 +21,7 @@ import json
 import os
 from typing import Any
 
-from tools.errors import EXIT_OK, MalformedInput, UsageError
+from tools.cli.errors import EXIT_OK, MalformedInput, UsageError
 
 #: TrainingArguments fields exposed as flags: name -> type
 FIELDS: dict[str, Any] = {

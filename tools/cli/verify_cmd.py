@@ -17,8 +17,8 @@ import sys
 from tqdm import tqdm
 
 import tierstore
-from tools.errors import EXIT_FAULT, EXIT_OK
-from tools.sizes import human_bytes
+from tools.cli.errors import EXIT_FAULT, EXIT_OK
+from tools.cli.sizes import human_bytes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

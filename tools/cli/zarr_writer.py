@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 import tierstore
 from tierstore.export import iter_pieces, out_dtype
-from tools.errors import UsageError
+from tools.cli.errors import UsageError
 
 _NUMPY = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
           torch.bfloat16: np.uint16, torch.int64: np.int64, torch.int32: np.int32,

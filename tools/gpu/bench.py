@@ -1,6 +1,6 @@
 """The GPU check's benchmark: copies, and the streaming trainer against plain PyTorch, time-boxed.
 
-    python -m tools.gpu_bench [--device cuda|cpu] [--out DIR] [--budget-s 400] [--stages copy,...]
+    python -m tools.gpu.bench [--device cuda|cpu] [--out DIR] [--budget-s 400] [--stages copy,...]
 
 Stages, each in its own process with its own timeout (so a slow or hung stage costs only its
 share of the budget, and peak VRAM / RSS are per stage), results written after every stage and
@@ -465,7 +465,7 @@ def _run_inline(name: str, device: str, sizes: dict[str, Any], work: str, result
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the stages within the budget; write gpu_bench.json, gpu_bench.txt and gpu_bench.log to --out."""
-    p = argparse.ArgumentParser(prog="tools.gpu_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="tools.gpu.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     default_dev = os.environ.get("DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--device", default=default_dev, choices=["cuda", "cpu"])
@@ -521,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _clean_work(work)
                 _write_json(json_path, results)
                 continue
-            cmd = [sys.executable, "-m", "tools.gpu_bench", "--stage", name, "--device", a.device,
+            cmd = [sys.executable, "-m", "tools.gpu.bench", "--stage", name, "--device", a.device,
                    "--sizes-json", json.dumps(sizes), "--work", work, "--result", result_path]
             t0 = time.monotonic()
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

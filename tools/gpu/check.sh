@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The prepared check for a GPU machine without network access (python3 3.12 with torch,
 # transformers, safetensors, aiofiles, tqdm, matplotlib, pytest). One command, <= 9 minutes,
-# run from a checkout with .whl/ beside it: bash tools/gpu_check.sh (docs/gpu.md).
+# run from a checkout with .whl/ beside it: bash tools/gpu/check.sh (docs/gpu.md).
 # The missing packages (lmdb, zarr, numcodecs, crc32c and their deps) travel as Python 3.12
-# wheels in .whl/ (`bash tools/gpu_wheels.sh` fetches them on a machine with PyPI). At most 8
+# wheels in .whl/ (`bash tools/gpu/wheels.sh` fetches them on a machine with PyPI). At most 8
 # files land in $OUT: nvidia-smi.txt, install.log, cuda_tests.txt, suite_cuda.txt (the whole
 # tierstore and trainer suites, where every store's default device is the GPU), benches.txt
-# (tools.bench_generate on the device, tools.bench_optimizer), gpu_bench.{json,txt,log}.
+# (tools.bench.generate on the device, tools.bench.optimizer), gpu_bench.{json,txt,log}.
 # DEVICE=cpu dry-runs the same steps on a machine without a GPU (tiny sizes, no wheel install).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu_out}
 DEVICE=${DEVICE:-cuda}
 PY=${PYTHON:-python3}
@@ -70,10 +70,10 @@ fi
 # the CPU AdamW over store-resident state against torch's fused AdamW in memory (at
 # 1.1B the streaming step's optimizer took 10 s on an H200 host, its arithmetic a small part).
 {
-  timeout "${GENERATE_TIMEOUT_S:-60}" "$PY" -m tools.bench_generate --device "$DEVICE" \
+  timeout "${GENERATE_TIMEOUT_S:-60}" "$PY" -m tools.bench.generate --device "$DEVICE" \
     $( [ "$DEVICE" = cuda ] || echo "--quick --rounds 1 --hidden 128 --intermediate 256 --layers 4" )
   echo "bench_generate rc=$? after $(( $(date +%s) - start )) s"
-  timeout "${OPTIMIZER_TIMEOUT_S:-60}" "$PY" -m tools.bench_optimizer --repeats 3 \
+  timeout "${OPTIMIZER_TIMEOUT_S:-60}" "$PY" -m tools.bench.optimizer --repeats 3 \
     $( [ "$DEVICE" = cuda ] && echo "--params-m 512 --tensors 16" || echo "--params-m 4 --tensors 2" )
   echo "bench_optimizer rc=$? after $(( $(date +%s) - start )) s"
 } > "$OUT/benches.txt" 2>&1
@@ -81,7 +81,7 @@ fi
 # Whatever the tests took, the benchmark ends by TOTAL_S (each stage time-boxed).
 left=$(( TOTAL_S - ($(date +%s) - start) ))
 budget=$(( left < BENCH_BUDGET_S ? left : BENCH_BUDGET_S ))
-"$PY" -m tools.gpu_bench --device "$DEVICE" --out "$OUT" --budget-s "$budget" "$@"
+"$PY" -m tools.gpu.bench --device "$DEVICE" --out "$OUT" --budget-s "$budget" "$@"
 rc=$?
 echo "gpu_check done in $(( $(date +%s) - start )) s (bench rc=$rc)" | tee -a "$OUT/gpu_bench.txt"
 tail -3 "$OUT/cuda_tests.txt"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Fetch the Python 3.12 wheels that tools/gpu_check.sh installs on the GPU machine (which has no
+# Fetch the Python 3.12 wheels that tools/gpu/check.sh installs on the GPU machine (which has no
 # network and lacks these packages) into .whl/ (ignored by git; name it in the device run's carry).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 PY=${PY:-python3}
 for spec in lmdb==3.0.0 zarr==3.1.6 numcodecs==0.16.6 crc32c==2.9.post0 donfig==0.8.1.post1 \

@@ -1,8 +1,8 @@
 """Check: mt.generate's greedy tokens against transformers' on one device, and why they differ if they do.
 
-    python -m tools.check_generate [--device cuda] [--batch 1] [--new 16] [--sync]
+    python -m tools.harness.check_generate [--device cuda] [--batch 1] [--new 16] [--sync]
 
-A Llama-style model (``tools.bench_generate``'s default shape, random weights) generates greedily
+A Llama-style model (``tools.bench.generate``'s default shape, random weights) generates greedily
 in memory (transformers) and streamed (mt.generate, a window of two layers). Where the tokens
 first differ, the in-memory model re-reads the streamed sequence (teacher forcing) and reports the
 logit margin there: how far the streamed token's logit is below the in-memory maximum, against the
@@ -60,10 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     import trainer as mt
-    from tools.bench_generate import _config, add_model_args
+    from tools.bench.generate import _config, add_model_args
     from trainer.generate import kv_workspace_bytes
 
-    p = argparse.ArgumentParser(prog="tools.check_generate", description=__doc__,
+    p = argparse.ArgumentParser(prog="tools.harness.check_generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--batch", type=int, default=1)

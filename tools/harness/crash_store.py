@@ -1,6 +1,6 @@
 """Crash harness for the store: SIGKILL a writer at random moments, reopen, verify.
 
-    python -m tools.crash_store --trials 50 [--dir DIR]
+    python -m tools.harness.crash_store --trials 50 [--dir DIR]
 
 Each trial starts a writer process that puts tensors (one a table in the sharded layout) and
 commits in a loop, kills it after a random delay (during puts, write-back, fsync or the LMDB
@@ -84,7 +84,7 @@ def trial(path: str, seed: int, delay: float) -> tuple[int | None, list[str]]:
         with tierstore.open(path, mode="r") as r:
             vs = r.versions()
             start = (vs[-1].step or 0) + 1 if vs else 0
-    code = "import sys; from tools.crash_store import writer; writer(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))"
+    code = "import sys; from tools.harness.crash_store import writer; writer(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-c", code, path, str(seed), str(start)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)

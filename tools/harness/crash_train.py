@@ -1,6 +1,6 @@
 """Crash harness for training: SIGKILL a training run at random moments, resume, compare.
 
-    python -m tools.crash_train --trials 50 [--steps 16] [--dir DIR]
+    python -m tools.harness.crash_train --trials 50 [--steps 16] [--dir DIR]
 
 A tiny deterministic CPU run (a 2-layer Llama, a checkpoint commit every step, budgets under
 the weights and the training state so that the device window, the RAM tier and the disk are all
@@ -113,7 +113,7 @@ def _parse(lines: list[str], run: Run) -> None:
 
 def run_child(out: str, steps: int, resume: bool, delay: float | None) -> Run:
     """Run ``child`` in a subprocess; kill it ``delay`` seconds after its first commit (None: never)."""
-    code = ("import sys; from tools.crash_train import child; "
+    code = ("import sys; from tools.harness.crash_train import child; "
             "child(sys.argv[1], int(sys.argv[2]), sys.argv[3] == '1')")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),

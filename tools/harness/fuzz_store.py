@@ -1,6 +1,6 @@
-"""fuzz_store: run many model-checked random programs against the store (``tools.modelcheck``).
+"""fuzz_store: run many model-checked random programs against the store (``tools.harness.modelcheck``).
 
-    python -m tools.fuzz_store --programs 50000 --seed 0 --jobs 4
+    python -m tools.harness.fuzz_store --programs 50000 --seed 0 --jobs 4
 
 Program ``i`` is ``generate(seed + i, features)``; each runs on a fresh store under a scratch
 folder (tmpfs when there is one), from asyncio tasks and threads, with injected faults, and every
@@ -22,9 +22,9 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from tools.modelcheck import FEATURES, KNOWN, generate, run_program, shrink
-from tools.modelcheck.programs import BASE
-from tools.modelcheck.runner import collect_strays
+from tools.harness.modelcheck import FEATURES, KNOWN, generate, run_program, shrink
+from tools.harness.modelcheck.programs import BASE
+from tools.harness.modelcheck.runner import collect_strays
 
 _ROOT: str | None = None  # each worker process's scratch folder
 
@@ -54,7 +54,7 @@ def _chunks(start: int, n: int, size: int) -> Iterator[list[int]]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line."""
-    p = argparse.ArgumentParser(prog="python -m tools.fuzz_store", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.harness.fuzz_store", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--programs", type=int, default=1000, help="programs to run (default 1000)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first program (default 0)")

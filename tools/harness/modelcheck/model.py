@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tools.modelcheck.programs import Op, Program
+from tools.harness.modelcheck.programs import Op, Program
 
 ABSENT = -1
 Alternative = dict[str, frozenset[int]]

@@ -256,7 +256,7 @@ def generate(seed: int, features: tuple[str, ...] | None = None, max_phases: int
     """The program of ``seed`` using only ``features`` (default: every feature without a KNOWN defect).
 
     ``max_phases`` and ``max_ops`` (calls per actor and phase) bound its length: CI runs short
-    programs, ``tools.fuzz_store`` longer ones.
+    programs, ``tools.harness.fuzz_store`` longer ones.
     """
     feats = set(BASE if features is None else features)
     unknown = feats - set(FEATURES)

@@ -32,8 +32,8 @@ import tierstore
 from tierstore import sync as tierstore_sync
 from tierstore.errors import BudgetError, DiskError, InvalidIndex, KeyNotFound, StoreError
 from tierstore.faults import FaultPlan
-from tools.modelcheck.model import ABSENT, Model, consistent, same_tensor
-from tools.modelcheck.programs import Op, Program, without, without_phase
+from tools.harness.modelcheck.model import ABSENT, Model, consistent, same_tensor
+from tools.harness.modelcheck.programs import Op, Program, without, without_phase
 
 OP_TIMEOUT_S = 10.0
 _RUNS = itertools.count()
