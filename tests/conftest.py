@@ -1,6 +1,6 @@
 """Shared fixtures, and the audit of exceptions that escape the store's public API.
 
-``tools.modelcheck.audit`` wraps the public methods of ``Store``, ``AsyncStore`` and
+``tools.harness.modelcheck.audit`` wraps the public methods of ``Store``, ``AsyncStore`` and
 ``tierstore.open*`` at import time; the autouse fixture fails any test during which an
 exception other than ``StoreError``, ``TypeError`` or ``ValueError`` escaped one of them.
 """
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tools.modelcheck import audit
+from tools.harness.modelcheck import audit
 
 audit.install()
 

@@ -12,7 +12,7 @@ import torch
 import tierstore
 from tierstore.safetensors import read_header
 from tools import cli
-from tools.errors import MalformedInput
+from tools.cli.errors import MalformedInput
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tools.moments import captured_moments
+from tools.bench.moments import captured_moments
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import tierstore
 from tierstore import codecs
 from tierstore.codecs import quant
-from tools.moments import synthetic_moments
+from tools.bench.moments import synthetic_moments
 
 QUANT = ["q8", "q4", "q3", "q2"]
 
@@ -22,7 +22,7 @@ QUANT = ["q8", "q4", "q3", "q2"]
 # blocks (q8/q4: 128, q3/q2: 64). Measured values in the comments; bounds add ~30% margin.
 # real: each 2-D parameter's moment after 5 AdamW steps of a tiny byte-level Llama (conftest),
 # in its own shape (rank-1 scales over its rows and columns); real-flat: the same moments
-# concatenated into one 1-D chunk (the block view); synthetic: tools.moments.synthetic_moments
+# concatenated into one 1-D chunk (the block view); synthetic: tools.bench.moments.synthetic_moments
 # (2**18, seed=0) as a (1024, 256) matrix, whose rows carry the scale and columns none.
 BOUNDS = {
     # (codec, signed, data): bound          measured
@@ -458,7 +458,7 @@ def test_stochastic_rounding_spec_and_levels() -> None:
 @pytest.mark.parametrize(("target", "power"), [("value", 1.0), ("rsqrt", -0.5)])
 def test_v_rounding_ablation_targets_are_unbiased(monkeypatch: pytest.MonkeyPatch, target: str,
                                                   power: float) -> None:
-    """The ablation hook behind tools.moment_stats --v-target: stochastic codes of v are
+    """The ablation hook behind tools.bench.moment_stats --v-target: stochastic codes of v are
     unbiased in v ** power (the codecs' own target, log2, is tested above)."""
     monkeypatch.setattr(quant, "V_STOCHASTIC_TARGET", target)
     # 12.8 octaves over q2's 3 steps: levels 19x apart, so that 2000 draws pin the mean down

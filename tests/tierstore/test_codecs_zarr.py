@@ -16,7 +16,7 @@ import zarr
 import tierstore  # noqa: F401  (registers the tierstore.q* zarr codecs)
 from tierstore import codecs
 from tierstore.dtypes import zarr_data_type, zarr_fill_value
-from tools.moments import synthetic_moments
+from tools.bench.moments import synthetic_moments
 
 
 def _write_array(root: pathlib.Path, codec: codecs.Codec, t: torch.Tensor,

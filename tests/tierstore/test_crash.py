@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tools import crash_store
+from tools.harness import crash_store
 
 
 @pytest.mark.slow

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 import tierstore
 from tierstore.records import Commit, GenRecord
 from tierstore.safetensors import read_header
-from tools import verify_cmd
-from tools.errors import MalformedInput
+from tools.cli import verify_cmd
+from tools.cli.errors import MalformedInput
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=20),

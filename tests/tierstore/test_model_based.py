@@ -3,9 +3,9 @@
 Each program drives one store from asyncio tasks and sync-facade threads (put, get, slice,
 gather, delete, commit, prefetch, cancel, close-and-reopen, read-only opens of retained
 versions, window gets with ``copy=False`` whose last loan is held and must never change) under
-injected I/O faults, and compares every result with ``tools.modelcheck``'s
+injected I/O faults, and compares every result with ``tools.harness.modelcheck``'s
 model; budgets are checked after every phase. A failure prints the seed and a shrunk program;
-``python -m tools.fuzz_store --seed S --programs 1`` replays it. Features that hit a defect
+``python -m tools.harness.fuzz_store --seed S --programs 1`` replays it. Features that hit a defect
 still unfixed would run as xfail variants (``KNOWN``, empty now); the scenarios of issue 10's
 defects 2, 4 and 5 run as variants of their own, from committed data evicted from RAM.
 """
@@ -19,9 +19,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from tools.modelcheck import generate, run_program, shrink
-from tools.modelcheck.programs import BASE, EVICTED_START
-from tools.modelcheck.runner import collect_strays
+from tools.harness.modelcheck import generate, run_program, shrink
+from tools.harness.modelcheck.programs import BASE, EVICTED_START
+from tools.harness.modelcheck.runner import collect_strays
 
 PROGRAMS = 1700  # plus 100 for each defect scenario below: 2,000 in all
 BATCH = 100
@@ -47,14 +47,14 @@ def run_batch(root: str, seeds: range, features: tuple[str, ...], shrink_s: floa
         if not out.ok:
             small = shrink(program, root, budget_s=shrink_s, op_timeout_s=op_timeout_s) if shrink_s else program
             pytest.fail(f"seed {seed} ({'hang' if out.hang else 'mismatch'}): {out.failures[:3]}\n"
-                        f"replay: python -m tools.fuzz_store --seed {seed} --programs 1 "
+                        f"replay: python -m tools.harness.fuzz_store --seed {seed} --programs 1 "
                         f"--short --features {','.join(features)}\n{small.listing()}")
     strays = collect_strays()
     assert not strays, f"event-loop errors after the programs ended (seed, message): {strays[:5]}"
 
 
 #: the defect scenarios' features cost the most time (full-disk programs about 4x): CI runs them
-#: in their own variants below; ``tools.fuzz_store`` mixes every feature into every program
+#: in their own variants below; ``tools.harness.fuzz_store`` mixes every feature into every program
 CORE = tuple(f for f in BASE if f not in EVICTED_START)
 
 

@@ -1,4 +1,4 @@
-"""Bugs the model-based test (``tools.modelcheck``) found, each as a direct regression test.
+"""Bugs the model-based test (``tools.harness.modelcheck``) found, each as a direct regression test.
 
 Every test here failed before its fix; the docstring names the seed or the program shape the
 harness reported.
@@ -116,7 +116,7 @@ def test_a_cancelled_get_leaves_no_unretrieved_disk_error(tmp_path) -> None:
 
 def test_the_exception_audit_records_an_undocumented_escape(tmp_path, monkeypatch) -> None:
     """The suite-wide audit (tests/conftest.py) sees through both the facade and AsyncStore."""
-    from tools.modelcheck import audit
+    from tools.harness.modelcheck import audit
 
     def broken(self, paths) -> None:
         raise OSError(5, "bare")

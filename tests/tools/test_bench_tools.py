@@ -7,8 +7,10 @@ import torch
 
 from tierstore import codecs
 from tierstore.codecs.policy import choose_codec
-from tools import bench_codecs, bench_convergence, convergence_runs, moment_stats
-from tools.moments import tiny_model
+from tools.bench import codecs as bench_codecs
+from tools.bench import convergence as bench_convergence
+from tools.bench import convergence_runs, moment_stats
+from tools.bench.moments import tiny_model
 
 
 def _rows(out: str) -> dict[str, list[str]]:
@@ -131,7 +133,7 @@ def test_moment_stats_orders_codecs() -> None:
 
 
 def test_bench_generate_runs_and_every_run_agrees_with_transformers(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tools import bench_generate
+    from tools.bench import generate as bench_generate
 
     argv = ["--rounds", "1", "--new", "3", "--big-batch", "4", "--hidden", "64", "--intermediate", "96",
             "--layers", "3", "--heads", "4", "--prompt", "5", "--dir", str(tmp_path)]
@@ -144,7 +146,7 @@ def test_bench_generate_runs_and_every_run_agrees_with_transformers(tmp_path, ca
 
 
 def test_bench_optimizer_measures_the_same_update_on_both_sides(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tools import bench_optimizer
+    from tools.bench import optimizer as bench_optimizer
 
     # exit 0 only when the store's weights equal torch's fused AdamW's after the same steps
     assert bench_optimizer.main(["--params-m", "1", "--tensors", "2", "--repeats", "2", "--dir", str(tmp_path)]) == 0
@@ -159,7 +161,7 @@ def test_bench_optimizer_measures_the_same_update_on_both_sides(tmp_path, capsys
 
 
 def test_bench_optimizer_at_half_the_budget_reports_bytes_against_the_minimum(tmp_path, capsys) -> None:  # noqa: ANN001
-    from tools import bench_optimizer
+    from tools.bench import optimizer as bench_optimizer
 
     argv = ["--params-m", "1", "--tensors", "4", "--repeats", "2", "--ram-fraction", "0.5", "--dir", str(tmp_path)]
     assert bench_optimizer.main(argv) == 0
@@ -170,7 +172,7 @@ def test_bench_optimizer_at_half_the_budget_reports_bytes_against_the_minimum(tm
 
 
 def test_check_generate_agrees_and_finds_a_difference(capsys: pytest.CaptureFixture[str]) -> None:
-    from tools import check_generate
+    from tools.harness import check_generate
 
     argv = ["--device", "cpu", "--new", "3", "--hidden", "64", "--intermediate", "96", "--layers", "2",
             "--heads", "4", "--prompt", "5", "--batch", "2"]

@@ -146,19 +146,51 @@ def test_train_rejects_pickled_npy(cli, monkeypatch, tmp_path) -> None:
 
 
 def test_bench_without_module_exit_2(cli, monkeypatch) -> None:
-    monkeypatch.setitem(sys.modules, "tools.bench_store", None)
+    monkeypatch.setitem(sys.modules, "tools.bench.store", None)
     code, _, err = cli("bench")
-    assert code == 2 and "tools.bench_store" in err
+    assert code == 2 and "tools.bench.store" in err
 
 
 def test_bench_delegates_to_bench_modules(cli, monkeypatch) -> None:
     calls = []
-    store_bench = types.ModuleType("tools.bench_store")
+    store_bench = types.ModuleType("tools.bench.store")
     store_bench.main = lambda argv: calls.append(("store", argv)) or 0  # type: ignore[attr-defined]
-    codec_bench = types.ModuleType("tools.bench_codecs")
+    codec_bench = types.ModuleType("tools.bench.codecs")
     codec_bench.main = lambda argv: calls.append(("codecs", argv)) or 0  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "tools.bench_store", store_bench)
-    monkeypatch.setitem(sys.modules, "tools.bench_codecs", codec_bench)
+    monkeypatch.setitem(sys.modules, "tools.bench.store", store_bench)
+    monkeypatch.setitem(sys.modules, "tools.bench.codecs", codec_bench)
     assert cli("bench", "--size", "8MiB", "--tensor", "1MiB", "--repeats", "1")[0] == 0
     assert calls == [("store", ["--size", "8MiB", "--tensor", "1MiB", "--repeats", "1"]),
                      ("codecs", [])]
+
+
+def test_bench_list_names_every_benchmark_and_runs_none(cli, monkeypatch) -> None:
+    from tools.bench import BENCHMARKS, benchmarks
+
+    for name in BENCHMARKS:  # listing reads the files; importing one would fail here
+        monkeypatch.setitem(sys.modules, f"tools.bench.{name}", None)
+    code, out, err = cli("bench", "--list")
+    assert code == 0 and err == ""
+    listed = benchmarks()
+    assert [b.module for b in listed][: len(BENCHMARKS)] == [f"tools.bench.{n}" for n in BENCHMARKS]
+    assert "tools.gpu.bench" in [b.module for b in listed]
+    for b in listed:
+        assert f"{b.command}\n    {b.measures}\n" in out
+        assert b.command == f"python -m {b.module}" and len(b.measures) > 20 and "``" not in b.measures
+    assert "python -m tools.bench.store\n    Store throughput vs the raw disk" in out
+
+
+def test_bench_list_is_complete() -> None:
+    """Every module of tools/bench that runs as a command is in the list."""
+    import os
+
+    import tools.bench
+
+    folder = os.path.dirname(tools.bench.__file__)
+    runnable = set()
+    for f in os.listdir(folder):
+        if f.endswith(".py") and f != "__init__.py":
+            with open(os.path.join(folder, f), encoding="utf-8") as fh:
+                if 'if __name__ == "__main__":' in fh.read():
+                    runnable.add(f[:-3])
+    assert runnable == set(tools.bench.BENCHMARKS)

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from tools import gpu_bench
+from tools.gpu import bench as gpu_bench
 
 
 def test_parameter_and_flop_counts_match_the_model() -> None:

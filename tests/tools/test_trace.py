@@ -8,7 +8,7 @@ import matplotlib.image
 import torch
 
 import tierstore
-from tools.timeline import lanes_of, load_trace, spans_of
+from tools.cli.timeline import lanes_of, load_trace, spans_of
 
 
 def _run_dir(tmp_path) -> str:

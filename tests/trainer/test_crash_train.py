@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tools import crash_train
+from tools.harness import crash_train
 
 STEPS = 6
 

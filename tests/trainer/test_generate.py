@@ -228,7 +228,7 @@ def test_cli_generate_prints_transformers_tokens_and_leaves_the_store_as_it_was(
 
 
 def _encode_bytes(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    from tools.generate_cmd import _encode
+    from tools.cli.generate_cmd import _encode
 
     return _encode(prompts, None, 256)
 
