@@ -336,7 +336,7 @@ class AsyncStore(ReadPath):
             for t in background:
                 t.cancel()
             # let them (and the disk reads they started) unwind: a task still pending when the
-            # sync facade stops its loop is destroyed mid-await (found by tools.modelcheck)
+            # sync facade stops its loop is destroyed mid-await (found by tools.harness.modelcheck)
             await _settle([*background, *self._reads.values()])
             self._closed = True
             self._window.clear()
@@ -1128,7 +1128,7 @@ class AsyncStore(ReadPath):
         """Wait for every pending chunk write; retry failed ones once (e.g. after ENOSPC).
 
         ``asyncio.wait`` on a snapshot, never ``gather``: cancelling a commit must not cancel
-        the write-behind (or retirements) it waits for (found by tools.modelcheck).
+        the write-behind (or retirements) it waits for (found by tools.harness.modelcheck).
         """
         if self._retiring:
             await _settle(list(self._retiring))

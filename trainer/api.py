@@ -595,7 +595,7 @@ class Trainer:
             self._checkpoint()
 
     def _log(self, logs: dict[str, Any]) -> None:
-        """Log one training window (``loss`` is its mean step loss); tools.crash_train hooks this."""
+        """Log one training window (``loss`` is its mean step loss); tools.harness.crash_train hooks this."""
         self.log(logs)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:

@@ -5,7 +5,7 @@ Besides the weights and the optimizer's moments, a commit holds the trainer's st
 and the files that make the store a Hugging Face model: ``meta/hf/config.json``,
 ``generation_config.json`` and, when the Trainer has a ``processing_class``, the tokenizer's
 files. ``tierstore export --format hf`` writes every ``meta/hf/`` file into the folder it makes
-(the layout is ``tools/hf_meta.py``'s), so that folder loads with ``from_pretrained`` and
+(the layout is ``tools/cli/hf_meta.py``'s), so that folder loads with ``from_pretrained`` and
 ``AutoTokenizer.from_pretrained``. A commit never holds ``grad/*``: commits are made at step
 boundaries, where no gradient is accumulating, so they are deleted first (4 B a parameter).
 """

@@ -35,17 +35,17 @@ EXP_AVG_SQ = "opt/exp_avg_sq/"
 
 
 #: per lossy moment codec: (worst measured mean gap of the final training loss to fp32 AdamW over
-#: ``tools.bench_convergence``'s grid, the goal it must meet to be a default). Only a codec
+#: ``tools.bench.convergence``'s grid, the goal it must meet to be a default). Only a codec
 #: within its goal is picked by ``optimizer_compression=True``; the others stay usable by name,
-#: with a warning that names the gap. The README's "Codecs: measured numbers" has the runs.
+#: with a warning that names the gap. docs/codecs.md has the runs.
 MOMENT_CODEC_GAPS: dict[str, tuple[float, float]] = {
-    "q8": (-0.0025, 0.01),  # 1.1M params, lr 1e-3, 3 seeds (README)
+    "q8": (-0.0025, 0.01),  # 1.1M params, lr 1e-3, 3 seeds (docs/codecs.md)
     "q4": (-0.0306, 0.01),  # 1.1M params, lr 3e-3, seed 0 (-0.48% at lr 1e-3)
     "q3": (-0.0552, 0.03),  # 1.1M params, lr 3e-3, seed 0 (-2.18% at lr 1e-3)
     "q2": (-0.0907, 0.03),  # 1.1M params, lr 3e-3, seed 0 (-6.78% at 4.33M, lr 1e-3)
 }
 #: where MOMENT_CODEC_GAPS was measured, for the warning
-GAPS_MEASURED = "tools.bench_convergence, byte-level Llama, 300 steps, paired with fp32"
+GAPS_MEASURED = "tools.bench.convergence, byte-level Llama, 300 steps, paired with fp32"
 
 
 def moment_codec_name(compression: bool | str | None) -> str:

@@ -11,7 +11,7 @@ The rule (documented in one place so the trainer and ``tierstore inspect`` agree
   for every other role (``exp_avg``, ``param``, ``grad``, ...); optimizer moments (re-quantized
   every step) also get ``rounding="stochastic"``: with nearest rounding a moment whose per-step
   change is under half a quantization step never moves (signal swamping). Measured with
-  ``tools.bench_convergence --seeds 3`` (1.1M-param Llama, 300 steps, lr 1e-3): q2 nearest
+  ``tools.bench.convergence --seeds 3`` (1.1M-param Llama, 300 steps, lr 1e-3): q2 nearest
   ended +26% above fp32's loss, q2 stochastic -0.3%. A ``Codec`` instance keeps the parameters
   it was built with: whoever built it chose them.
 """

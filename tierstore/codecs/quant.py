@@ -25,7 +25,7 @@ Two maps, chosen by ``signed``:
   small ``m`` to zero only delays its update. At q2 the fourth level is worth more: with
   stochastic rounding, ternary ``-1, 0, 1`` injects about twice the update noise of the four
   levels (noise energy / update energy per step on captured AdamW moments: 2.18 vs 1.04), which
-  cost 4% of final loss in ``tools.bench_convergence``. Scales are stored as float32. Exact
+  cost 4% of final loss in ``tools.bench.convergence``. Scales are stored as float32. Exact
   zeros round-trip at q3 and up (at q2 next to nonzero values they decode to ``+-s/9``); an
   all-zero row or column decodes to zeros.
 * unsigned (Adam's second moment ``v``): everything in log2. Row and column maxima are stored as
@@ -46,7 +46,7 @@ encodes to the same bytes on any thread, in any run, and after a resume (trainin
 reproducible bit for bit), and torch's random stream is never touched. An optimizer state
 changes every step, and so does its seed.
 
-Calibrated rounding (``rounding="calibrated"``, an ablation of issue 17, not the policy's):
+Calibrated rounding (``rounding="calibrated"``, an ablation, not the policy's):
 stochastic codes, then one gain per chunk folded into both scale vectors, exactly (signed:
 float32 maxima times the gain) or to 1/128 octave (unsigned: the log2 maxima shifted), so that
 the layout and the decoder are unchanged: a signed chunk decodes with the input's L2 norm, an
@@ -237,7 +237,7 @@ def _data_seed(row_max: torch.Tensor) -> torch.Tensor:
     return bits.sum() & 0x7FFFFFFF
 
 
-#: ablation hook, not API (``tools.moment_stats --v-target``): what stochastic rounding of an
+#: ablation hook, not API (``tools.bench.moment_stats --v-target``): what stochastic rounding of an
 #: unsigned value is unbiased in. "log2" (used) is the compromise: "value" keeps the averaged
 #: v unbiased but, by Jensen, inflates 1/sqrt(v) (q2, v alone coded, 1.1M-param run: update
 #: magnitude 1.70x fp32's, against 1.11x), and "rsqrt" (unbiased in the update's divisor) lets

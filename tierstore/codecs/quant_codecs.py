@@ -31,7 +31,7 @@ FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 #: "nearest" is deterministic; "stochastic" rounds up or down at random so that the code is
 #: unbiased, which keeps an optimizer state that is re-quantized every step from sticking at a
 #: level when its per-step change is smaller than half a quantization step (signal swamping).
-#: "calibrated" (an ablation, issue 17) is stochastic with one gain per chunk folded into the
+#: "calibrated" (an ablation) is stochastic with one gain per chunk folded into the
 #: stored scales (signed: the decoded L2 norm is the input's; unsigned: mean(v / decoded) is 1).
 #: Decoding is identical for those three; only ``encode`` differs. "dither" (signed only) is
 #: subtractive dither: nearest rounding after adding a pseudo-random offset that the decoder
@@ -141,7 +141,7 @@ class Q8Codec(QuantCodec):
 @register
 class Q5Codec(QuantCodec):
     """5-bit codes; block 128 by default (5.25 bits/element): one more bit for Adam's m beside a
-    q4 v (``tools.bench_convergence --codecs q4+m=q5``)."""
+    q4 v (``tools.bench.convergence --codecs q4+m=q5``)."""
 
     name = "q5"
     code_bits = 5

@@ -437,7 +437,7 @@ class DiskTier:
             try:
                 self.check_faults("fsync", self.data_dir)
                 fd = os.open(self.data_dir, os.O_RDONLY)
-            except OSError as e:  # found by tools.modelcheck: a bare OSError escaped commit()
+            except OSError as e:  # found by tools.harness.modelcheck: a bare OSError escaped commit()
                 raise DiskError(f"syncfs of {self.data_dir} failed: {e.strerror}") from e
             try:
                 if _syncfs(fd) != 0:

@@ -81,7 +81,7 @@ _UNLENT_ROOT_REFS = _unlent_root_refs()
 
 
 class HostTier:
-    """An LRU cache of chunk payloads whose total size never exceeds ``budget``."""
+    """A cache of chunk payloads (least recently used, or by plan: ``rank``) that never exceeds ``budget``."""
 
     def __init__(self, budget: int | None, pin: bool = False):
         self.budget = budget
@@ -91,7 +91,7 @@ class HostTier:
         self._entries: OrderedDict[ChunkId, HostEntry] = OrderedDict()
         #: buffers of dropped chunks by size, kept (and counted in ``used``) for reuse: a put
         #: that replaces a tensor then fills the old buffers instead of faulting in new pages
-        #: (0.25-0.5 GiB/s on the dev VM, against 13 GiB/s for a copy into reused memory)
+        #: (fresh pages fault in at a fraction of the speed of a copy into reused memory)
         self._spare: dict[int, list[torch.Tensor]] = {}
         #: buffers allocated fresh from the OS since open (the rest were recycled)
         self.fresh_buffers = 0
