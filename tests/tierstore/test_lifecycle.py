@@ -109,7 +109,7 @@ _CALLS = {
     "window_empty": ((2,), torch.float32), "staging_pool": (1024, 1), "mark_step": (),
     "info": ("a",), "keys": (), "delete": ("a",), "commit": (), "versions": (), "stats": (),
     "zarr_path": ("a",), "verify": (), "chrome_trace": (), "trace_span": ("x", "y", 0.0, 1.0),
-    "__contains__": ("a",), "update": ("a",), "plan": (["a"],),
+    "__contains__": ("a",), "update": ("a",), "plan": (["a"],), "restore": ("a", 1),
 }
 #: public members that are not store operations: they work after close
 _NOT_OPERATIONS = {"close", "closed", "async_store"}
