@@ -1,4 +1,4 @@
-"""The user-facing trainer: ``init``, ``load_model``, ``Trainer`` (train, evaluate, save_model, store).
+"""The user-facing ``Trainer`` (train, evaluate, save_model, store); ``init`` and ``load_model`` are ``trainer.session``'s.
 
 ``Trainer`` has ``transformers.Trainer``'s arguments, loop order and callback events (its own
 ``TrainerState``/``TrainerControl``/``DefaultFlowCallback``, ``trainer.callbacks``), so that a script
@@ -23,16 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-import tierstore
-import tierstore.config
 from tierstore.export import write_safetensors
-from trainer import distributed, memory
+from trainer import distributed, session
 from trainer import model as model_mod
 from trainer.args import TrainingArguments, learning_rate_at
 from trainer.callbacks import TrainerControl, TrainerState, build_handler
 from trainer.checkpoint import (
     NO_CHECKPOINT,
-    STATE_KEY,
     drop_gradients,
     has_checkpoint,
     load_state,
@@ -51,131 +48,13 @@ from trainer.hf_args import from_hf_args
 from trainer.io_account import StepAccount
 from trainer.model import ModelParts, decompose
 from trainer.optimizer import EXP_AVG, EXP_AVG_SQ, AdamWHyper, StoreAdamW, UpdateWorker
+from trainer.session import SessionConfig, close_store, compute_device, init, load_model, open_store
 from trainer.steps import RunLog, apply_runtime_args, grad_sink
 from trainer.streaming import StreamingEngine, count_loss_tokens
 
-_GIB = 1 << 30
+__all__ = ["SessionConfig", "TrainOutput", "Trainer", "close_store", "init", "load_model", "open_store"]
+
 TRACE_NAME = "trace.json"  # where ``tierstore trace RUN_DIR`` looks
-
-
-@dataclass(kw_only=True, slots=True)
-class SessionConfig:
-    """What ``init`` set: where the store lives and its budgets."""
-
-    offload_dir: str | None = None
-    """The store's folder; None means <output_dir>/store (or a temporary folder for load_model)."""
-    device_budget: int | str | None = None
-    """Bytes of the device window (max_vram_gb)."""
-    ram_budget: int | str | None = None
-    """Bytes of the host RAM cache (max_ram_gb)."""
-    optimizer_compression: bool | str | None = True
-    """True: q8 Adam moments (the codec that met its goal); a codec name; False/"raw": raw."""
-    device: str | None = None
-    """The compute device; None: cuda if available, else cpu."""
-    keep_last: int | None = None
-    """Commits the store retains (None: tierstore's default); 1 keeps one copy of the state on disk."""
-
-
-_session = SessionConfig()
-_open_stores: dict[str, Any] = {}
-
-
-def _budget(gb: float | str | None, what: str) -> int | str | None:
-    if gb is None or isinstance(gb, str):
-        return gb
-    if gb <= 0:
-        raise ValueError(f"{what} must be > 0 GB, got {gb}")
-    return int(gb * _GIB)
-
-
-def _default_ram_budget(device_budget: int | str | None = None, device: str | None = None) -> int:
-    # From the memory available now (trainer.memory says how), not a fixed share of the total.
-    cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
-    window = tierstore.config.parse_size(device_budget, "max_vram_gb") if device_budget is not None else None
-    return memory.default_ram_budget(window, cpu_window=cpu)
-
-
-def init(offload_dir: str | None = None, max_vram_gb: float | str | None = 80, max_ram_gb: float | str | None = None,
-         optimizer_compression: bool | str | None = True, device: str | None = None,
-         keep_last: int | None = None) -> SessionConfig:
-    """Configure where the store lives and its budgets (GB as numbers, or size strings like "64MiB")."""
-    global _session
-    memory.tune_malloc()  # freed tensors go back to the OS, so RSS follows what is really held
-    vram = _budget(max_vram_gb, "max_vram_gb")
-    _session = SessionConfig(
-        offload_dir=offload_dir,
-        device_budget=vram,
-        ram_budget=_budget(max_ram_gb, "max_ram_gb") if max_ram_gb is not None else _default_ram_budget(vram, device),
-        optimizer_compression=optimizer_compression,
-        device=device,
-        keep_last=keep_last,
-    )
-    return _session
-
-
-def _device(cfg: TrainingArguments | None = None) -> torch.device:
-    if _session.device is not None:
-        dev = torch.device(_session.device)
-    elif cfg is not None and cfg.use_cpu:
-        dev = torch.device("cpu")
-    else:
-        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    _, world, local = distributed.env_world()
-    if dev.type == "cuda" and dev.index is None and world > 1:
-        dev = torch.device("cuda", local)  # torchrun: one GPU per local rank
-    return dev
-
-
-def open_store(path: str, mode: str = "a") -> Any:
-    """The session's store at ``path``: opened once per process with the configured budgets."""
-    path = os.path.abspath(path)
-    store = _open_stores.get(path)
-    if store is not None and not store.closed:
-        return store
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    extra = {} if _session.keep_last is None else {"keep_last": _session.keep_last}
-    store = tierstore.open(path, mode=mode, ram_budget=_session.ram_budget, device_budget=_session.device_budget,
-                           device=str(_device()), **extra)
-    # a store left open by a failed run is closed at exit, without a commit, by tierstore itself
-    _open_stores[path] = store
-    return store
-
-
-def close_store(store: Any) -> None:
-    """Close a store opened by ``open_store`` and forget it."""
-    for path, s in list(_open_stores.items()):
-        if s is store:
-            del _open_stores[path]
-    # No implicit "close" commit: the head after the last checkpoint would pair new weights
-    # with the trainer state of the old one.
-    store.close(commit=False)
-
-
-def load_model(path_or_config: Any) -> nn.Module:
-    """A meta-device skeleton of a causal LM whose weights are streamed into the session store.
-
-    A store that already holds a training run's checkpoint keeps its weights (so that
-    ``resume_from_checkpoint`` continues the run); use a fresh ``offload_dir`` to start over.
-    """
-    import tempfile
-    import warnings
-
-    path = (distributed.rank_store_path(_session.offload_dir) if _session.offload_dir
-            else tempfile.mkdtemp(prefix="trainer-store-"))
-    store = open_store(path)
-    if STATE_KEY in store.keys(prefix="trainer/") and store.versions():
-        model = model_mod.skeleton_for(path_or_config)
-        missing = [n for n in decompose(model).all_params() if n not in set(store.keys())]
-        if missing:
-            raise ValueError(f"the store at {path} holds a run of another model (lacks {missing[:3]}); "
-                             "use a fresh offload_dir")
-        warnings.warn(f"the store at {path} holds a training run (last commit at step "
-                      f"{store.versions()[-1].step}); its weights are kept, not replaced by "
-                      f"{path_or_config!r}", stacklevel=2)
-    else:
-        model = model_mod.load_model(path_or_config, store)
-    model._trainer_store = store  # the Trainer finds the weights here
-    return model
 
 
 def _no_decay_names(model: nn.Module) -> set[str]:
@@ -259,7 +138,7 @@ class Trainer:
         self._engine: StreamingEngine | None = None
         self._worker: UpdateWorker | None = None
         # torchrun (or an initialised process group) with several ranks: data parallel, else None
-        self._dp = distributed.from_env(self._cfg.ddp_timeout, _device(self._cfg))
+        self._dp = distributed.from_env(self._cfg.ddp_timeout, compute_device(self._cfg))
         self._mark_process_zero(self.state)
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
@@ -285,7 +164,7 @@ class Trainer:
     # -- the store -------------------------------------------------------------------------
     def _store_root(self) -> str:
         # in data parallel the folder of the per-rank stores and their manifest (trainer.distributed)
-        return _session.offload_dir or os.path.join(self._cfg.output_dir, "store")
+        return session.current().offload_dir or os.path.join(self._cfg.output_dir, "store")
 
     def _default_store_path(self) -> str:
         return distributed.rank_store_path(self._store_root())
@@ -427,7 +306,7 @@ class Trainer:
             self._mark_process_zero(self.state)
         store = self.store
         # save_total_limit, else mt.init(keep_last=), else every checkpoint (as transformers)
-        keep = cfg.save_total_limit or _session.keep_last or 1 << 30
+        keep = cfg.save_total_limit or session.current().keep_last or 1 << 30
         store.config.keep_last = keep if self._dp is None else distributed.retention(keep)
         with self._lock:
             save_hf_files(store, self.model, self.processing_class)
@@ -459,13 +338,13 @@ class Trainer:
         groups = [names for _, names in self.parts.groups()]
         dp = self._dp
         if dp is None:
-            opt = StoreAdamW(store, groups, _no_decay_names(self.model), _session.optimizer_compression, self._lock)
+            opt = StoreAdamW(store, groups, _no_decay_names(self.model), session.current().optimizer_compression, self._lock)
         else:  # each rank updates its rows of every parameter and all-gathers the rest
             opt = distributed.ShardedAdamW(dp, store, groups, _no_decay_names(self.model),
-                                           _session.optimizer_compression, self._lock)
+                                           session.current().optimizer_compression, self._lock)
         worker = self._worker = UpdateWorker(opt.update_group)
         engine = self._engine = StreamingEngine(
-            self.parts, store, _device(cfg), bf16=cfg.bf16, store_lock=self._lock, before_fetch=worker.wait_group,
+            self.parts, store, compute_device(cfg), bf16=cfg.bf16, store_lock=self._lock, before_fetch=worker.wait_group,
             window_bytes=store.stats().get("device_budget"))
         clip, all_params = cfg.clip_norm, self.parts.all_params()
         # per-step bytes per tier in log_history; a rank's sharded moments have other keys, so
@@ -639,7 +518,7 @@ class Trainer:
                 real = self._take_weights()
             self._check_weights()
         engine = self._engine if self._worker is not None else StreamingEngine(
-            self.parts, self.store, _device(self._cfg), bf16=self._cfg.bf16, store_lock=self._lock,
+            self.parts, self.store, compute_device(self._cfg), bf16=self._cfg.bf16, store_lock=self._lock,
             window_bytes=self.store.stats().get("device_budget"))
         t0 = time.time()
         was_training = self.model.training

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer import memory
+from trainer import memory, session
 from trainer.grad_drain import GradDrain
 from trainer.model import ModelParts, decompose
 from trainer.streaming import StreamingEngine, capture_first_layer
@@ -307,16 +307,11 @@ def _source(model: Any) -> tuple[nn.Module, Any, bool]:
         return model, store, False
     opened = False
     if isinstance(model, (str, os.PathLike)):
-        from trainer.api import open_store
-
         path = os.fspath(model)
         if not os.path.isdir(os.path.join(path, "catalog")):
             raise ValueError(f"{path}: not a tierstore store (no catalog/ in it)")
-        from trainer.api import _open_stores
-
-        known = _open_stores.get(os.path.abspath(path))
-        opened = known is None or known.closed  # a store the session already has open stays open
-        store = open_store(path)
+        opened = not session.is_open(path)  # a store the session already has open stays open
+        store = session.open_store(path)
     elif hasattr(model, "get") and hasattr(model, "keys"):
         store = model
     else:
@@ -387,9 +382,7 @@ class Generator:
 
     def __init__(self, model: nn.Module, store: Any, device: torch.device | str | None = None) -> None:
         if device is None:
-            from trainer.api import _device
-
-            device = _device()
+            device = session.compute_device()
         self.device = torch.device(device)
         self.model = model
         self.store = store
@@ -585,7 +578,5 @@ def generate(model: Any, input_ids: torch.Tensor, max_new_tokens: int = 32, do_s
     finally:
         kv.delete()
         if opened:
-            from trainer.api import close_store
-
-            close_store(store)
+            session.close_store(store)
     return ids
