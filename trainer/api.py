@@ -6,15 +6,14 @@ written for transformers runs here with the same logged losses and the same call
 One store per run holds everything: fp32 master weights under their HF names, accumulated
 gradients, Adam moments, the trainer's own state and the model's HF files
 (``trainer.checkpoint``). A checkpoint is a store commit; resuming reopens the store and continues
-from the last commit's step with the same data order and RNG state.
+from the last commit's step with the same data order and RNG state. ``train`` prepares the run
+(resume or fresh weights, the schedule) and hands its optimizer steps to ``trainer.loop``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from torch import nn
 from tierstore.export import write_safetensors
 from trainer import distributed, session
 from trainer import model as model_mod
-from trainer.args import TrainingArguments, learning_rate_at
+from trainer.args import TrainingArguments
 from trainer.callbacks import TrainerControl, TrainerState, build_handler
 from trainer.checkpoint import (
     NO_CHECKPOINT,
@@ -42,32 +41,18 @@ from trainer.data import (
     eval_batches,
     has_length,
     micro_batches_per_epoch,
-    step_batches,
 )
 from trainer.hf_args import from_hf_args
-from trainer.io_account import StepAccount
+from trainer.loop import TrainLoop
 from trainer.model import ModelParts, decompose
-from trainer.optimizer import EXP_AVG, EXP_AVG_SQ, AdamWHyper, StoreAdamW, UpdateWorker
+from trainer.optimizer import UpdateWorker
 from trainer.session import SessionConfig, close_store, compute_device, init, load_model, open_store
-from trainer.steps import RunLog, apply_runtime_args, grad_sink
-from trainer.streaming import StreamingEngine, count_loss_tokens
+from trainer.steps import RunLog, apply_runtime_args
+from trainer.streaming import StreamingEngine
 
 __all__ = ["SessionConfig", "TrainOutput", "Trainer", "close_store", "init", "load_model", "open_store"]
 
 TRACE_NAME = "trace.json"  # where ``tierstore trace RUN_DIR`` looks
-
-
-def _no_decay_names(model: nn.Module) -> set[str]:
-    # transformers' Trainer: no decay for LayerNorm modules and names matching these patterns.
-    patterns = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
-    out = set()
-    for mname, mod in model.named_modules():
-        for pname, _ in mod.named_parameters(recurse=False):
-            full = f"{mname}.{pname}" if mname else pname
-            if isinstance(mod, nn.LayerNorm) or any(re.search(p, full.lower()) for p in patterns):
-                out.add(full)
-    names = {n for n, _ in model.named_parameters()}
-    return out & names
 
 
 @dataclass(frozen=True, slots=True)
@@ -331,130 +316,9 @@ class Trainer:
 
     def _loop(self, start: int, end: int, total: int, per_epoch: int, micro_per_epoch: int,
               ignore_keys: list[str] | None, stopping: bool) -> TrainOutput:
-        from tqdm.auto import tqdm
-
-        cfg, args, h, st = self._cfg, self.args, self.callback_handler, self.state
-        store = self.store
-        groups = [names for _, names in self.parts.groups()]
-        dp = self._dp
-        if dp is None:
-            opt = StoreAdamW(store, groups, _no_decay_names(self.model), session.current().optimizer_compression, self._lock)
-        else:  # each rank updates its rows of every parameter and all-gathers the rest
-            opt = distributed.ShardedAdamW(dp, store, groups, _no_decay_names(self.model),
-                                           session.current().optimizer_compression, self._lock)
-        worker = self._worker = UpdateWorker(opt.update_group)
-        engine = self._engine = StreamingEngine(
-            self.parts, store, compute_device(cfg), bf16=cfg.bf16, store_lock=self._lock, before_fetch=worker.wait_group,
-            window_bytes=store.stats().get("device_budget"))
-        clip, all_params = cfg.clip_norm, self.parts.all_params()
-        # per-step bytes per tier in log_history; a rank's sharded moments have other keys, so
-        # data parallel logs the bytes without the budgets' minimum
-        account = StepAccount(store, list(all_params) if dp is None else [],
-                              [p + n for p in (EXP_AVG, EXP_AVG_SQ) for n in all_params] if dp is None else [],
-                              clipping=clip is not None)
-        bar = tqdm(total=total, initial=start, disable=cfg.disable_tqdm or not st.is_world_process_zero, desc="train",
-                   dynamic_ncols=True)
-        sized = has_length(self.train_dataset)
-        run = RunLog(start=start, t0=time.time())
-        self.control = h.on_train_begin(args, st, self.control)
-        if cfg.eval_on_start:
-            self._evaluate_during_train(ignore_keys)
-        epoch, epoch_first = None, start
-        try:
-            batches = step_batches(self.train_dataset, self._global_batch(), cfg.gradient_accumulation_steps,
-                                   cfg.sampler_seed, start, self.pad_token_id, self.data_collator,
-                                   cfg.dataloader_drop_last, cfg.train_sampling_strategy == "random")
-            for step, epoch_after, micro in batches:
-                if step >= end:
-                    break
-                e = step // per_epoch if sized else int(epoch_after)
-                if e != epoch:
-                    if epoch is not None:
-                        self._end_epoch(run, ignore_keys)
-                    epoch, epoch_first = e, step
-                    self.control = h.on_epoch_begin(args, st, self.control)
-                t0 = time.perf_counter()
-                before, upd0, math0 = store.stats(), opt.busy_s, opt.update_s  # one snapshot: stall and I/O counters
-                lr = learning_rate_at(cfg, step, total)
-                hyper = AdamWHyper(lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay)
-                # the loss is the token mean over the global step: every rank divides by the same count
-                num_items = sum(count_loss_tokens(b["labels"]) for b in micro)
-                if num_items == 0:
-                    raise ValueError(f"step {step + 1}: every label is -100; there is no loss to train on")
-                if dp is not None:
-                    micro = distributed.local_rows(micro, dp.rank, dp.world)
-                self.control = h.on_step_begin(args, st, self.control)
-                norms: dict[str, torch.Tensor] = {}
-                loss_sum, tokens = 0.0, 0
-                for j, batch in enumerate(micro):
-                    sink = grad_sink(opt, worker, norms, step + 1, hyper, clip, j, j == len(micro) - 1, dp)
-                    loss_sum += engine.forward_backward(batch, num_items, sink)
-                    tokens += int(batch["attention_mask"].sum())
-                    st.num_input_tokens_seen += (int(batch["input_ids"].numel()) if cfg.include_num_input_tokens_seen
-                                                 == "all" else int(batch["attention_mask"].sum()))
-                    if j < len(micro) - 1:
-                        self.control = h.on_substep_end(args, st, self.control)
-                if dp is not None:  # the global step's loss and tokens; the norms of the summed gradients
-                    loss_sum, tokens_f = dp.sum([loss_sum, float(tokens)])
-                    tokens = int(tokens_f)
-                    norms = dp.grad_norms()
-                grad_norm = float(torch.linalg.vector_norm(torch.stack([norms[n] for n in all_params]), 2.0))
-                self.control = h.on_pre_optimizer_step(args, st, self.control)
-                if clip is not None:
-                    # torch.nn.utils.clip_grad_norm_'s coefficient, computed in fp32 as it does.
-                    coef = float(torch.clamp(clip / (torch.tensor(grad_norm, dtype=torch.float32) + 1e-6), max=1.0))
-                    for g in range(len(groups)):
-                        worker.submit(g, step + 1, hyper, coef)
-                self.control = h.on_optimizer_step(args, st, self.control)
-                run.add(loss_sum / num_items, cfg.logging_nan_inf_filter, step)
-                st.global_step = step + 1
-                st.epoch = (epoch_after if sized else
-                            epoch + (st.global_step - epoch_first) * cfg.gradient_accumulation_steps / micro_per_epoch)
-                self.control = h.on_step_end(args, st, self.control)
-                if stopping and st.global_step >= end:
-                    self.control.should_save = self.control.should_training_stop = True
-                step_s = time.perf_counter() - t0
-                after = store.stats()
-                stall_s = float(after.get("stall_s", 0.0)) - float(before.get("stall_s", 0.0))
-                run.last = {"learning_rate": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / step_s if step_s > 0
-                            else math.inf, "stall_s": stall_s,
-                            "step_s": step_s, "optimizer_s": opt.busy_s - upd0,
-                            # of which AdamW's arithmetic; the rest is the store's reads and writes
-                            "optimizer_math_s": opt.update_s - math0, **account.end(step + 1, before, after)}
-                self._end_step(t0)
-                self._maybe_log_save_evaluate(run, ignore_keys)
-                empty_cache = getattr(args, "torch_empty_cache_steps", None)
-                if empty_cache and st.global_step % empty_cache == 0 and torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                bar.update(1)
-                bar.set_postfix(loss=f"{run.last_loss:.4f}", tok_s=f"{run.last['tokens_per_s']:.0f}")
-                if self.control.should_training_stop or self.control.should_epoch_stop:
-                    break
-            if epoch is not None:
-                self._end_epoch(run, ignore_keys)
-        except BaseException:
-            # the loop's error is the one to report (a dead rank fails the update thread too)
-            with contextlib.suppress(BaseException):
-                worker.wait_all()
-            raise
-        finally:
-            bar.close()
-            try:
-                worker.wait_all()
-            finally:
-                worker.close()
-                self._worker = None
-        steps = st.global_step - start
-        train_loss = (run.total + run.window) / max(steps, 0.001)  # the run's mean step loss
-        runtime = time.time() - run.t0
-        metrics = {"train_runtime": round(runtime, 4),
-                   "train_samples_per_second": round(steps * self._global_batch()
-                                                     * cfg.gradient_accumulation_steps / runtime, 3),
-                   "train_steps_per_second": round(steps / runtime, 3), "total_flos": float(st.total_flos),
-                   "train_loss": train_loss}
-        self.log(metrics)
-        self.control = h.on_train_end(args, st, self.control)
-        return TrainOutput(st.global_step, train_loss, metrics)
+        train_loss, metrics = TrainLoop(self, start, end, total, per_epoch, micro_per_epoch, ignore_keys,
+                                        stopping).run()
+        return TrainOutput(self.state.global_step, train_loss, metrics)
 
     def _global_batch(self) -> int:
         """Sequences per micro-batch over all ranks (each rank trains per_device_train_batch_size of them)."""
