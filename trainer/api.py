@@ -42,6 +42,7 @@ from trainer.data import (
     has_length,
     micro_batches_per_epoch,
 )
+from trainer.evaluation import eval_losses, eval_metrics
 from trainer.hf_args import from_hf_args
 from trainer.loop import TrainLoop
 from trainer.model import ModelParts, decompose
@@ -362,7 +363,8 @@ class Trainer:
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """A forward-only streaming pass over the eval set: ``{prefix}_loss``, ``{prefix}_perplexity``, speed.
 
-        ``eval_loss`` is transformers' number: each batch's token-mean loss, weighted by its sequences.
+        ``eval_loss`` is transformers' number: each batch's token-mean loss, weighted by its
+        sequences (``trainer.evaluation``).
         """
         ds = self.eval_dataset if eval_dataset is None else eval_dataset
         if ds is None:
@@ -385,36 +387,18 @@ class Trainer:
             self.parts, self.store, compute_device(self._cfg), bf16=self._cfg.bf16, store_lock=self._lock,
             window_bytes=self.store.stats().get("device_budget"))
         t0 = time.time()
-        was_training = self.model.training
-        self.model.eval()
-        losses: list[tuple[float, int]] = []  # (batch's token-mean loss, sequences in the batch)
-        try:
-            for batch in eval_batches(ds, self._cfg.per_device_eval_batch_size, self.pad_token_id,
-                                      self.data_collator, self._cfg.dataloader_drop_last):
-                s, n = engine.loss(batch)
-                losses.append((s / n if n else math.nan, int(batch["input_ids"].shape[0])))
-                self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
-        finally:
-            self.model.train(was_training)
-        n_batches, n_samples = len(losses), sum(b for _, b in losses)
-        if self._cfg.logging_nan_inf_filter and any(math.isfinite(x) for x, _ in losses):
-            losses = [(x, b) for x, b in losses if math.isfinite(x)]
-        if not losses:
-            raise ValueError("the eval_dataset yielded no batch")
-        # transformers repeats each batch's loss once per sequence (accelerate drops the padding of
-        # the last batch), so eval_loss is the sequence-weighted mean of the batch means
-        loss = sum(x * b for x, b in losses) / sum(b for _, b in losses)
-        runtime = time.time() - t0
-        metrics = {f"{metric_key_prefix}_loss": loss,
-                   f"{metric_key_prefix}_perplexity": math.exp(loss) if loss < 700 else math.inf,
-                   f"{metric_key_prefix}_runtime": round(runtime, 4),
-                   f"{metric_key_prefix}_samples_per_second": round(n_samples / runtime, 3),
-                   f"{metric_key_prefix}_steps_per_second": round(n_batches / runtime, 3)}
+        batches = eval_batches(ds, self._cfg.per_device_eval_batch_size, self.pad_token_id, self.data_collator,
+                               self._cfg.dataloader_drop_last)
+        losses = eval_losses(engine, self.model, batches, self._on_prediction_step)
+        metrics = eval_metrics(losses, metric_key_prefix, t0, self._cfg.logging_nan_inf_filter)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         if self._worker is None:
             self._give_back_weights(real)
         return metrics
+
+    def _on_prediction_step(self) -> None:
+        self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
 
     # -- trace and export ------------------------------------------------------------------
     def _end_step(self, t0: float) -> None:
