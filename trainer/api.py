@@ -28,11 +28,8 @@ from trainer import model as model_mod
 from trainer.args import TrainingArguments
 from trainer.callbacks import TrainerControl, TrainerState, build_handler
 from trainer.checkpoint import (
-    NO_CHECKPOINT,
     drop_gradients,
-    has_checkpoint,
     load_state,
-    resolve_resume,
     save_hf_files,
     save_state,
 )
@@ -47,6 +44,7 @@ from trainer.hf_args import from_hf_args
 from trainer.loop import TrainLoop
 from trainer.model import ModelParts, decompose
 from trainer.optimizer import UpdateWorker
+from trainer.resume import bring_to_checkpoint, resume_target
 from trainer.session import SessionConfig, close_store, compute_device, init, load_model, open_store
 from trainer.steps import RunLog, apply_runtime_args
 from trainer.streaming import StreamingEngine
@@ -218,39 +216,15 @@ class Trainer:
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def _open_for_resume(self, resume: Any) -> None:
+        """Open the store ``resume`` names (``trainer.resume``), ready to continue from its last checkpoint."""
         default = self._default_store_path()
         root = self._store_root() if resume is True else os.fspath(resume)
-        if (self._dp is not None and distributed.read_manifest(root) is None
-                and distributed.read_manifest(os.path.join(root, "store")) is not None):
-            root = os.path.join(root, "store")  # a run folder holding store/, as resolve_resume takes it
-        world = 1 if self._dp is None else self._dp.world
-        manifest = distributed.check_world(root, world) if os.path.isdir(root) else None
-        if self._dp is not None:
-            if manifest is None:
-                raise ValueError(f"{NO_CHECKPOINT} ({self._cfg.output_dir}): no data-parallel checkpoint "
-                                 f"({distributed.MANIFEST}) at {root}")
-            resume = os.path.join(root, distributed.RANK_DIR.format(self._dp.rank))
-        path, step = resolve_resume(resume, default, self._cfg.output_dir)
-        if self._store is not None and os.path.abspath(self._store.path) != os.path.abspath(path):
+        target = resume_target(resume, root, default, self._cfg.output_dir, self._dp)
+        if self._store is not None and os.path.abspath(self._store.path) != os.path.abspath(target.path):
             self.close()
         if self._store is None:
-            self._store = open_store(path)
-        if not has_checkpoint(self._store):
-            raise ValueError(f"{NO_CHECKPOINT} ({self._cfg.output_dir}): the store at {path} has no trainer checkpoint")
-        if manifest is not None and self._dp is not None and self._store.versions()[-1].step != manifest["step"]:
-            # this rank committed past the last complete checkpoint (a peer died between the phases)
-            with self._lock:
-                distributed.rollback(self._store, manifest["versions"][self._dp.rank], manifest["step"])
-        if manifest is not None and self._dp is not None:
-            # name each rank's head (a rolled-back rank's is a new version) before any new commit
-            last = self._store.versions()[-1]
-            self._dp.commit_manifest(distributed.manifest_root(self._store.path), last.step, last.version)
-        steps = [v.step for v in self._store.versions()]
-        if step is not None and step != steps[-1]:
-            # a writer continues from the head, which is the last commit: older ones are read-only
-            raise ValueError(f"checkpoint-{step}: the store {path} can resume from its last commit only "
-                             f"(step {steps[-1]}; retained steps {steps}); open an older one read-only with "
-                             f"tierstore.open(path, mode='r', version=...)")
+            self._store = open_store(target.path)
+        bring_to_checkpoint(self._store, target, self._cfg.output_dir, self._dp, self._lock)
 
     # -- the loop --------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: bool | str | None = None, trial: Any = None,
