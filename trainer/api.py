@@ -245,25 +245,7 @@ class Trainer:
             raise ValueError("the train_dataset has no length (an IterableDataset): set max_steps > 0")
         apply_runtime_args(args)
         self._drop_meta_hook()
-        if resume_from_checkpoint:
-            self._open_for_resume(resume_from_checkpoint)
-            real = any(p.device.type != "meta" for p in self.model.parameters())
-            model_mod.to_meta_(self.model)
-            self._check_weights()
-            self.state = load_state(self.store)
-            self._mark_process_zero(self.state)
-        else:
-            if getattr(args, "full_determinism", False):
-                from transformers import enable_full_determinism
-
-                enable_full_determinism(cfg.seed)
-            torch.manual_seed(cfg.seed)
-            real = self._take_weights()
-            self._check_weights()
-            if self._dp is not None:  # every rank starts from rank 0's weights, as DDP does
-                self._dp.broadcast_weights(self.store, self.parts.all_params(), self._lock)
-            self.state = TrainerState()
-            self._mark_process_zero(self.state)
+        real = self._resume(resume_from_checkpoint) if resume_from_checkpoint else self._start_fresh()
         store = self.store
         # save_total_limit, else mt.init(keep_last=), else every checkpoint (as transformers)
         keep = cfg.save_total_limit or session.current().keep_last or 1 << 30
@@ -271,13 +253,7 @@ class Trainer:
         with self._lock:
             save_hf_files(store, self.model, self.processing_class)
         start = self.state.global_step
-        if has_length(self.train_dataset):
-            micro = micro_batches_per_epoch(len(self.train_dataset), self._global_batch(), cfg.dataloader_drop_last)
-            per_epoch = math.ceil(micro / cfg.gradient_accumulation_steps)
-            total = cfg.total_steps(per_epoch)
-            epochs = math.ceil(total / per_epoch)
-        else:
-            micro, per_epoch, total, epochs = cfg.max_steps * cfg.gradient_accumulation_steps, cfg.max_steps, cfg.max_steps, 1
+        micro, per_epoch, total, epochs = self._schedule()
         st = self.state
         st.max_steps, st.num_train_epochs, st.train_batch_size = total, epochs, cfg.per_device_train_batch_size
         st.compute_steps(cfg, total)
@@ -288,6 +264,42 @@ class Trainer:
             self._write_trace()
         self._give_back_weights(real)
         return loss
+
+    def _resume(self, resume: Any) -> bool:
+        """Continue from the checkpoint ``resume`` names: its weights and state (whatever the model holds)."""
+        self._open_for_resume(resume)
+        real = any(p.device.type != "meta" for p in self.model.parameters())
+        model_mod.to_meta_(self.model)
+        self._check_weights()
+        self.state = load_state(self.store)
+        self._mark_process_zero(self.state)
+        return real
+
+    def _start_fresh(self) -> bool:
+        """A new run: seeded, the model's weights in the store (rank 0's on every rank), a new state."""
+        cfg = self._cfg
+        if getattr(self.args, "full_determinism", False):
+            from transformers import enable_full_determinism
+
+            enable_full_determinism(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        real = self._take_weights()
+        self._check_weights()
+        if self._dp is not None:  # every rank starts from rank 0's weights, as DDP does
+            self._dp.broadcast_weights(self.store, self.parts.all_params(), self._lock)
+        self.state = TrainerState()
+        self._mark_process_zero(self.state)
+        return real
+
+    def _schedule(self) -> tuple[int, int, int, int]:
+        """(micro-batches per epoch, optimizer steps per epoch, steps in the run, epochs)."""
+        cfg = self._cfg
+        if not has_length(self.train_dataset):
+            return cfg.max_steps * cfg.gradient_accumulation_steps, cfg.max_steps, cfg.max_steps, 1
+        micro = micro_batches_per_epoch(len(self.train_dataset), self._global_batch(), cfg.dataloader_drop_last)
+        per_epoch = math.ceil(micro / cfg.gradient_accumulation_steps)
+        total = cfg.total_steps(per_epoch)
+        return micro, per_epoch, total, math.ceil(total / per_epoch)
 
     def _loop(self, start: int, end: int, total: int, per_epoch: int, micro_per_epoch: int,
               ignore_keys: list[str] | None, stopping: bool) -> TrainOutput:
