@@ -6,8 +6,12 @@ written for transformers runs here with the same logged losses and the same call
 One store per run holds everything: fp32 master weights under their HF names, accumulated
 gradients, Adam moments, the trainer's own state and the model's HF files
 (``trainer.checkpoint``). A checkpoint is a store commit; resuming reopens the store and continues
-from the last commit's step with the same data order and RNG state. ``train`` prepares the run
-(resume or fresh weights, the schedule) and hands its optimizer steps to ``trainer.loop``.
+from the last commit's step with the same data order and RNG state.
+
+The class is the facade; the work is in modules beside it: ``train`` prepares the run (resume or
+fresh weights, retention, the schedule) and hands its optimizer steps to ``trainer.loop``;
+``trainer.resume`` finds and prepares the store to resume; ``evaluate`` runs
+``trainer.evaluation``'s pass; ``save_model`` streams the weights out with ``tierstore.export``.
 """
 
 from __future__ import annotations

@@ -275,4 +275,4 @@ class TrainLoop:
             torch.cuda.empty_cache()
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{self.run_log.last_loss:.4f}",
-                             tok_s=f"{self.run_log.last['tokens_per_s']:.0f}")  # type: ignore[index]
+                             tok_s=f"{self.run_log.last['tokens_per_s']:.0f}")
