@@ -1,4 +1,4 @@
-"""The user-facing trainer: ``init``, ``load_model``, ``Trainer`` (train, evaluate, save_model, store).
+"""The user-facing ``Trainer`` (train, evaluate, save_model, store); ``init`` and ``load_model`` are ``trainer.session``'s.
 
 ``Trainer`` has ``transformers.Trainer``'s arguments, loop order and callback events (its own
 ``TrainerState``/``TrainerControl``/``DefaultFlowCallback``, ``trainer.callbacks``), so that a script
@@ -7,14 +7,17 @@ One store per run holds everything: fp32 master weights under their HF names, ac
 gradients, Adam moments, the trainer's own state and the model's HF files
 (``trainer.checkpoint``). A checkpoint is a store commit; resuming reopens the store and continues
 from the last commit's step with the same data order and RNG state.
+
+The class is the facade; the work is in modules beside it: ``train`` prepares the run (resume or
+fresh weights, retention, the schedule) and hands its optimizer steps to ``trainer.loop``;
+``trainer.resume`` finds and prepares the store to resume; ``evaluate`` runs
+``trainer.evaluation``'s pass; ``save_model`` streams the weights out with ``tierstore.export``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -23,20 +26,14 @@ from typing import Any
 import torch
 from torch import nn
 
-import tierstore
-import tierstore.config
 from tierstore.export import write_safetensors
-from trainer import distributed, memory
+from trainer import distributed, session
 from trainer import model as model_mod
-from trainer.args import TrainingArguments, learning_rate_at
+from trainer.args import TrainingArguments
 from trainer.callbacks import TrainerControl, TrainerState, build_handler
 from trainer.checkpoint import (
-    NO_CHECKPOINT,
-    STATE_KEY,
     drop_gradients,
-    has_checkpoint,
     load_state,
-    resolve_resume,
     save_hf_files,
     save_state,
 )
@@ -45,150 +42,20 @@ from trainer.data import (
     eval_batches,
     has_length,
     micro_batches_per_epoch,
-    step_batches,
 )
+from trainer.evaluation import eval_losses, eval_metrics
 from trainer.hf_args import from_hf_args
-from trainer.io_account import StepAccount
+from trainer.loop import TrainLoop
 from trainer.model import ModelParts, decompose
-from trainer.optimizer import EXP_AVG, EXP_AVG_SQ, AdamWHyper, StoreAdamW, UpdateWorker
-from trainer.steps import RunLog, apply_runtime_args, grad_sink
-from trainer.streaming import StreamingEngine, count_loss_tokens
+from trainer.optimizer import UpdateWorker
+from trainer.resume import bring_to_checkpoint, resume_target
+from trainer.session import SessionConfig, close_store, compute_device, init, load_model, open_store
+from trainer.steps import RunLog, apply_runtime_args
+from trainer.streaming import StreamingEngine
 
-_GIB = 1 << 30
+__all__ = ["SessionConfig", "TrainOutput", "Trainer", "close_store", "init", "load_model", "open_store"]
+
 TRACE_NAME = "trace.json"  # where ``tierstore trace RUN_DIR`` looks
-
-
-@dataclass(kw_only=True, slots=True)
-class SessionConfig:
-    """What ``init`` set: where the store lives and its budgets."""
-
-    offload_dir: str | None = None
-    """The store's folder; None means <output_dir>/store (or a temporary folder for load_model)."""
-    device_budget: int | str | None = None
-    """Bytes of the device window (max_vram_gb)."""
-    ram_budget: int | str | None = None
-    """Bytes of the host RAM cache (max_ram_gb)."""
-    optimizer_compression: bool | str | None = True
-    """True: q8 Adam moments (the codec that met its goal); a codec name; False/"raw": raw."""
-    device: str | None = None
-    """The compute device; None: cuda if available, else cpu."""
-    keep_last: int | None = None
-    """Commits the store retains (None: tierstore's default); 1 keeps one copy of the state on disk."""
-
-
-_session = SessionConfig()
-_open_stores: dict[str, Any] = {}
-
-
-def _budget(gb: float | str | None, what: str) -> int | str | None:
-    if gb is None or isinstance(gb, str):
-        return gb
-    if gb <= 0:
-        raise ValueError(f"{what} must be > 0 GB, got {gb}")
-    return int(gb * _GIB)
-
-
-def _default_ram_budget(device_budget: int | str | None = None, device: str | None = None) -> int:
-    # From the memory available now (trainer.memory says how), not a fixed share of the total.
-    cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
-    window = tierstore.config.parse_size(device_budget, "max_vram_gb") if device_budget is not None else None
-    return memory.default_ram_budget(window, cpu_window=cpu)
-
-
-def init(offload_dir: str | None = None, max_vram_gb: float | str | None = 80, max_ram_gb: float | str | None = None,
-         optimizer_compression: bool | str | None = True, device: str | None = None,
-         keep_last: int | None = None) -> SessionConfig:
-    """Configure where the store lives and its budgets (GB as numbers, or size strings like "64MiB")."""
-    global _session
-    memory.tune_malloc()  # freed tensors go back to the OS, so RSS follows what is really held
-    vram = _budget(max_vram_gb, "max_vram_gb")
-    _session = SessionConfig(
-        offload_dir=offload_dir,
-        device_budget=vram,
-        ram_budget=_budget(max_ram_gb, "max_ram_gb") if max_ram_gb is not None else _default_ram_budget(vram, device),
-        optimizer_compression=optimizer_compression,
-        device=device,
-        keep_last=keep_last,
-    )
-    return _session
-
-
-def _device(cfg: TrainingArguments | None = None) -> torch.device:
-    if _session.device is not None:
-        dev = torch.device(_session.device)
-    elif cfg is not None and cfg.use_cpu:
-        dev = torch.device("cpu")
-    else:
-        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    _, world, local = distributed.env_world()
-    if dev.type == "cuda" and dev.index is None and world > 1:
-        dev = torch.device("cuda", local)  # torchrun: one GPU per local rank
-    return dev
-
-
-def open_store(path: str, mode: str = "a") -> Any:
-    """The session's store at ``path``: opened once per process with the configured budgets."""
-    path = os.path.abspath(path)
-    store = _open_stores.get(path)
-    if store is not None and not store.closed:
-        return store
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    extra = {} if _session.keep_last is None else {"keep_last": _session.keep_last}
-    store = tierstore.open(path, mode=mode, ram_budget=_session.ram_budget, device_budget=_session.device_budget,
-                           device=str(_device()), **extra)
-    # a store left open by a failed run is closed at exit, without a commit, by tierstore itself
-    _open_stores[path] = store
-    return store
-
-
-def close_store(store: Any) -> None:
-    """Close a store opened by ``open_store`` and forget it."""
-    for path, s in list(_open_stores.items()):
-        if s is store:
-            del _open_stores[path]
-    # No implicit "close" commit: the head after the last checkpoint would pair new weights
-    # with the trainer state of the old one.
-    store.close(commit=False)
-
-
-def load_model(path_or_config: Any) -> nn.Module:
-    """A meta-device skeleton of a causal LM whose weights are streamed into the session store.
-
-    A store that already holds a training run's checkpoint keeps its weights (so that
-    ``resume_from_checkpoint`` continues the run); use a fresh ``offload_dir`` to start over.
-    """
-    import tempfile
-    import warnings
-
-    path = (distributed.rank_store_path(_session.offload_dir) if _session.offload_dir
-            else tempfile.mkdtemp(prefix="trainer-store-"))
-    store = open_store(path)
-    if STATE_KEY in store.keys(prefix="trainer/") and store.versions():
-        model = model_mod.skeleton_for(path_or_config)
-        missing = [n for n in decompose(model).all_params() if n not in set(store.keys())]
-        if missing:
-            raise ValueError(f"the store at {path} holds a run of another model (lacks {missing[:3]}); "
-                             "use a fresh offload_dir")
-        warnings.warn(f"the store at {path} holds a training run (last commit at step "
-                      f"{store.versions()[-1].step}); its weights are kept, not replaced by "
-                      f"{path_or_config!r}", stacklevel=2)
-    else:
-        model = model_mod.load_model(path_or_config, store)
-    model._trainer_store = store  # the Trainer finds the weights here
-    return model
-
-
-def _no_decay_names(model: nn.Module) -> set[str]:
-    # transformers' Trainer: no decay for LayerNorm modules and names matching these patterns.
-    patterns = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
-    out = set()
-    for mname, mod in model.named_modules():
-        for pname, _ in mod.named_parameters(recurse=False):
-            full = f"{mname}.{pname}" if mname else pname
-            if isinstance(mod, nn.LayerNorm) or any(re.search(p, full.lower()) for p in patterns):
-                out.add(full)
-    names = {n for n, _ in model.named_parameters()}
-    return out & names
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,7 +126,7 @@ class Trainer:
         self._engine: StreamingEngine | None = None
         self._worker: UpdateWorker | None = None
         # torchrun (or an initialised process group) with several ranks: data parallel, else None
-        self._dp = distributed.from_env(self._cfg.ddp_timeout, _device(self._cfg))
+        self._dp = distributed.from_env(self._cfg.ddp_timeout, compute_device(self._cfg))
         self._mark_process_zero(self.state)
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
@@ -285,7 +152,7 @@ class Trainer:
     # -- the store -------------------------------------------------------------------------
     def _store_root(self) -> str:
         # in data parallel the folder of the per-rank stores and their manifest (trainer.distributed)
-        return _session.offload_dir or os.path.join(self._cfg.output_dir, "store")
+        return session.current().offload_dir or os.path.join(self._cfg.output_dir, "store")
 
     def _default_store_path(self) -> str:
         return distributed.rank_store_path(self._store_root())
@@ -353,39 +220,15 @@ class Trainer:
         self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def _open_for_resume(self, resume: Any) -> None:
+        """Open the store ``resume`` names (``trainer.resume``), ready to continue from its last checkpoint."""
         default = self._default_store_path()
         root = self._store_root() if resume is True else os.fspath(resume)
-        if (self._dp is not None and distributed.read_manifest(root) is None
-                and distributed.read_manifest(os.path.join(root, "store")) is not None):
-            root = os.path.join(root, "store")  # a run folder holding store/, as resolve_resume takes it
-        world = 1 if self._dp is None else self._dp.world
-        manifest = distributed.check_world(root, world) if os.path.isdir(root) else None
-        if self._dp is not None:
-            if manifest is None:
-                raise ValueError(f"{NO_CHECKPOINT} ({self._cfg.output_dir}): no data-parallel checkpoint "
-                                 f"({distributed.MANIFEST}) at {root}")
-            resume = os.path.join(root, distributed.RANK_DIR.format(self._dp.rank))
-        path, step = resolve_resume(resume, default, self._cfg.output_dir)
-        if self._store is not None and os.path.abspath(self._store.path) != os.path.abspath(path):
+        target = resume_target(resume, root, default, self._cfg.output_dir, self._dp)
+        if self._store is not None and os.path.abspath(self._store.path) != os.path.abspath(target.path):
             self.close()
         if self._store is None:
-            self._store = open_store(path)
-        if not has_checkpoint(self._store):
-            raise ValueError(f"{NO_CHECKPOINT} ({self._cfg.output_dir}): the store at {path} has no trainer checkpoint")
-        if manifest is not None and self._dp is not None and self._store.versions()[-1].step != manifest["step"]:
-            # this rank committed past the last complete checkpoint (a peer died between the phases)
-            with self._lock:
-                distributed.rollback(self._store, manifest["versions"][self._dp.rank], manifest["step"])
-        if manifest is not None and self._dp is not None:
-            # name each rank's head (a rolled-back rank's is a new version) before any new commit
-            last = self._store.versions()[-1]
-            self._dp.commit_manifest(distributed.manifest_root(self._store.path), last.step, last.version)
-        steps = [v.step for v in self._store.versions()]
-        if step is not None and step != steps[-1]:
-            # a writer continues from the head, which is the last commit: older ones are read-only
-            raise ValueError(f"checkpoint-{step}: the store {path} can resume from its last commit only "
-                             f"(step {steps[-1]}; retained steps {steps}); open an older one read-only with "
-                             f"tierstore.open(path, mode='r', version=...)")
+            self._store = open_store(target.path)
+        bring_to_checkpoint(self._store, target, self._cfg.output_dir, self._dp, self._lock)
 
     # -- the loop --------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: bool | str | None = None, trial: Any = None,
@@ -406,39 +249,15 @@ class Trainer:
             raise ValueError("the train_dataset has no length (an IterableDataset): set max_steps > 0")
         apply_runtime_args(args)
         self._drop_meta_hook()
-        if resume_from_checkpoint:
-            self._open_for_resume(resume_from_checkpoint)
-            real = any(p.device.type != "meta" for p in self.model.parameters())
-            model_mod.to_meta_(self.model)
-            self._check_weights()
-            self.state = load_state(self.store)
-            self._mark_process_zero(self.state)
-        else:
-            if getattr(args, "full_determinism", False):
-                from transformers import enable_full_determinism
-
-                enable_full_determinism(cfg.seed)
-            torch.manual_seed(cfg.seed)
-            real = self._take_weights()
-            self._check_weights()
-            if self._dp is not None:  # every rank starts from rank 0's weights, as DDP does
-                self._dp.broadcast_weights(self.store, self.parts.all_params(), self._lock)
-            self.state = TrainerState()
-            self._mark_process_zero(self.state)
+        real = self._resume(resume_from_checkpoint) if resume_from_checkpoint else self._start_fresh()
         store = self.store
         # save_total_limit, else mt.init(keep_last=), else every checkpoint (as transformers)
-        keep = cfg.save_total_limit or _session.keep_last or 1 << 30
+        keep = cfg.save_total_limit or session.current().keep_last or 1 << 30
         store.config.keep_last = keep if self._dp is None else distributed.retention(keep)
         with self._lock:
             save_hf_files(store, self.model, self.processing_class)
         start = self.state.global_step
-        if has_length(self.train_dataset):
-            micro = micro_batches_per_epoch(len(self.train_dataset), self._global_batch(), cfg.dataloader_drop_last)
-            per_epoch = math.ceil(micro / cfg.gradient_accumulation_steps)
-            total = cfg.total_steps(per_epoch)
-            epochs = math.ceil(total / per_epoch)
-        else:
-            micro, per_epoch, total, epochs = cfg.max_steps * cfg.gradient_accumulation_steps, cfg.max_steps, cfg.max_steps, 1
+        micro, per_epoch, total, epochs = self._schedule()
         st = self.state
         st.max_steps, st.num_train_epochs, st.train_batch_size = total, epochs, cfg.per_device_train_batch_size
         st.compute_steps(cfg, total)
@@ -450,132 +269,47 @@ class Trainer:
         self._give_back_weights(real)
         return loss
 
+    def _resume(self, resume: Any) -> bool:
+        """Continue from the checkpoint ``resume`` names: its weights and state (whatever the model holds)."""
+        self._open_for_resume(resume)
+        real = any(p.device.type != "meta" for p in self.model.parameters())
+        model_mod.to_meta_(self.model)
+        self._check_weights()
+        self.state = load_state(self.store)
+        self._mark_process_zero(self.state)
+        return real
+
+    def _start_fresh(self) -> bool:
+        """A new run: seeded, the model's weights in the store (rank 0's on every rank), a new state."""
+        cfg = self._cfg
+        if getattr(self.args, "full_determinism", False):
+            from transformers import enable_full_determinism
+
+            enable_full_determinism(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        real = self._take_weights()
+        self._check_weights()
+        if self._dp is not None:  # every rank starts from rank 0's weights, as DDP does
+            self._dp.broadcast_weights(self.store, self.parts.all_params(), self._lock)
+        self.state = TrainerState()
+        self._mark_process_zero(self.state)
+        return real
+
+    def _schedule(self) -> tuple[int, int, int, int]:
+        """(micro-batches per epoch, optimizer steps per epoch, steps in the run, epochs)."""
+        cfg = self._cfg
+        if not has_length(self.train_dataset):
+            return cfg.max_steps * cfg.gradient_accumulation_steps, cfg.max_steps, cfg.max_steps, 1
+        micro = micro_batches_per_epoch(len(self.train_dataset), self._global_batch(), cfg.dataloader_drop_last)
+        per_epoch = math.ceil(micro / cfg.gradient_accumulation_steps)
+        total = cfg.total_steps(per_epoch)
+        return micro, per_epoch, total, math.ceil(total / per_epoch)
+
     def _loop(self, start: int, end: int, total: int, per_epoch: int, micro_per_epoch: int,
               ignore_keys: list[str] | None, stopping: bool) -> TrainOutput:
-        from tqdm.auto import tqdm
-
-        cfg, args, h, st = self._cfg, self.args, self.callback_handler, self.state
-        store = self.store
-        groups = [names for _, names in self.parts.groups()]
-        dp = self._dp
-        if dp is None:
-            opt = StoreAdamW(store, groups, _no_decay_names(self.model), _session.optimizer_compression, self._lock)
-        else:  # each rank updates its rows of every parameter and all-gathers the rest
-            opt = distributed.ShardedAdamW(dp, store, groups, _no_decay_names(self.model),
-                                           _session.optimizer_compression, self._lock)
-        worker = self._worker = UpdateWorker(opt.update_group)
-        engine = self._engine = StreamingEngine(
-            self.parts, store, _device(cfg), bf16=cfg.bf16, store_lock=self._lock, before_fetch=worker.wait_group,
-            window_bytes=store.stats().get("device_budget"))
-        clip, all_params = cfg.clip_norm, self.parts.all_params()
-        # per-step bytes per tier in log_history; a rank's sharded moments have other keys, so
-        # data parallel logs the bytes without the budgets' minimum
-        account = StepAccount(store, list(all_params) if dp is None else [],
-                              [p + n for p in (EXP_AVG, EXP_AVG_SQ) for n in all_params] if dp is None else [],
-                              clipping=clip is not None)
-        bar = tqdm(total=total, initial=start, disable=cfg.disable_tqdm or not st.is_world_process_zero, desc="train",
-                   dynamic_ncols=True)
-        sized = has_length(self.train_dataset)
-        run = RunLog(start=start, t0=time.time())
-        self.control = h.on_train_begin(args, st, self.control)
-        if cfg.eval_on_start:
-            self._evaluate_during_train(ignore_keys)
-        epoch, epoch_first = None, start
-        try:
-            batches = step_batches(self.train_dataset, self._global_batch(), cfg.gradient_accumulation_steps,
-                                   cfg.sampler_seed, start, self.pad_token_id, self.data_collator,
-                                   cfg.dataloader_drop_last, cfg.train_sampling_strategy == "random")
-            for step, epoch_after, micro in batches:
-                if step >= end:
-                    break
-                e = step // per_epoch if sized else int(epoch_after)
-                if e != epoch:
-                    if epoch is not None:
-                        self._end_epoch(run, ignore_keys)
-                    epoch, epoch_first = e, step
-                    self.control = h.on_epoch_begin(args, st, self.control)
-                t0 = time.perf_counter()
-                before, upd0, math0 = store.stats(), opt.busy_s, opt.update_s  # one snapshot: stall and I/O counters
-                lr = learning_rate_at(cfg, step, total)
-                hyper = AdamWHyper(lr, cfg.adam_beta1, cfg.adam_beta2, cfg.adam_epsilon, cfg.weight_decay)
-                # the loss is the token mean over the global step: every rank divides by the same count
-                num_items = sum(count_loss_tokens(b["labels"]) for b in micro)
-                if num_items == 0:
-                    raise ValueError(f"step {step + 1}: every label is -100; there is no loss to train on")
-                if dp is not None:
-                    micro = distributed.local_rows(micro, dp.rank, dp.world)
-                self.control = h.on_step_begin(args, st, self.control)
-                norms: dict[str, torch.Tensor] = {}
-                loss_sum, tokens = 0.0, 0
-                for j, batch in enumerate(micro):
-                    sink = grad_sink(opt, worker, norms, step + 1, hyper, clip, j, j == len(micro) - 1, dp)
-                    loss_sum += engine.forward_backward(batch, num_items, sink)
-                    tokens += int(batch["attention_mask"].sum())
-                    st.num_input_tokens_seen += (int(batch["input_ids"].numel()) if cfg.include_num_input_tokens_seen
-                                                 == "all" else int(batch["attention_mask"].sum()))
-                    if j < len(micro) - 1:
-                        self.control = h.on_substep_end(args, st, self.control)
-                if dp is not None:  # the global step's loss and tokens; the norms of the summed gradients
-                    loss_sum, tokens_f = dp.sum([loss_sum, float(tokens)])
-                    tokens = int(tokens_f)
-                    norms = dp.grad_norms()
-                grad_norm = float(torch.linalg.vector_norm(torch.stack([norms[n] for n in all_params]), 2.0))
-                self.control = h.on_pre_optimizer_step(args, st, self.control)
-                if clip is not None:
-                    # torch.nn.utils.clip_grad_norm_'s coefficient, computed in fp32 as it does.
-                    coef = float(torch.clamp(clip / (torch.tensor(grad_norm, dtype=torch.float32) + 1e-6), max=1.0))
-                    for g in range(len(groups)):
-                        worker.submit(g, step + 1, hyper, coef)
-                self.control = h.on_optimizer_step(args, st, self.control)
-                run.add(loss_sum / num_items, cfg.logging_nan_inf_filter, step)
-                st.global_step = step + 1
-                st.epoch = (epoch_after if sized else
-                            epoch + (st.global_step - epoch_first) * cfg.gradient_accumulation_steps / micro_per_epoch)
-                self.control = h.on_step_end(args, st, self.control)
-                if stopping and st.global_step >= end:
-                    self.control.should_save = self.control.should_training_stop = True
-                step_s = time.perf_counter() - t0
-                after = store.stats()
-                stall_s = float(after.get("stall_s", 0.0)) - float(before.get("stall_s", 0.0))
-                run.last = {"learning_rate": lr, "grad_norm": grad_norm, "tokens_per_s": tokens / step_s if step_s > 0
-                            else math.inf, "stall_s": stall_s,
-                            "step_s": step_s, "optimizer_s": opt.busy_s - upd0,
-                            # of which AdamW's arithmetic; the rest is the store's reads and writes
-                            "optimizer_math_s": opt.update_s - math0, **account.end(step + 1, before, after)}
-                self._end_step(t0)
-                self._maybe_log_save_evaluate(run, ignore_keys)
-                empty_cache = getattr(args, "torch_empty_cache_steps", None)
-                if empty_cache and st.global_step % empty_cache == 0 and torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                bar.update(1)
-                bar.set_postfix(loss=f"{run.last_loss:.4f}", tok_s=f"{run.last['tokens_per_s']:.0f}")
-                if self.control.should_training_stop or self.control.should_epoch_stop:
-                    break
-            if epoch is not None:
-                self._end_epoch(run, ignore_keys)
-        except BaseException:
-            # the loop's error is the one to report (a dead rank fails the update thread too)
-            with contextlib.suppress(BaseException):
-                worker.wait_all()
-            raise
-        finally:
-            bar.close()
-            try:
-                worker.wait_all()
-            finally:
-                worker.close()
-                self._worker = None
-        steps = st.global_step - start
-        train_loss = (run.total + run.window) / max(steps, 0.001)  # the run's mean step loss
-        runtime = time.time() - run.t0
-        metrics = {"train_runtime": round(runtime, 4),
-                   "train_samples_per_second": round(steps * self._global_batch()
-                                                     * cfg.gradient_accumulation_steps / runtime, 3),
-                   "train_steps_per_second": round(steps / runtime, 3), "total_flos": float(st.total_flos),
-                   "train_loss": train_loss}
-        self.log(metrics)
-        self.control = h.on_train_end(args, st, self.control)
-        return TrainOutput(st.global_step, train_loss, metrics)
+        train_loss, metrics = TrainLoop(self, start, end, total, per_epoch, micro_per_epoch, ignore_keys,
+                                        stopping).run()
+        return TrainOutput(self.state.global_step, train_loss, metrics)
 
     def _global_batch(self) -> int:
         """Sequences per micro-batch over all ranks (each rank trains per_device_train_batch_size of them)."""
@@ -619,7 +353,8 @@ class Trainer:
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """A forward-only streaming pass over the eval set: ``{prefix}_loss``, ``{prefix}_perplexity``, speed.
 
-        ``eval_loss`` is transformers' number: each batch's token-mean loss, weighted by its sequences.
+        ``eval_loss`` is transformers' number: each batch's token-mean loss, weighted by its
+        sequences (``trainer.evaluation``).
         """
         ds = self.eval_dataset if eval_dataset is None else eval_dataset
         if ds is None:
@@ -639,39 +374,21 @@ class Trainer:
                 real = self._take_weights()
             self._check_weights()
         engine = self._engine if self._worker is not None else StreamingEngine(
-            self.parts, self.store, _device(self._cfg), bf16=self._cfg.bf16, store_lock=self._lock,
+            self.parts, self.store, compute_device(self._cfg), bf16=self._cfg.bf16, store_lock=self._lock,
             window_bytes=self.store.stats().get("device_budget"))
         t0 = time.time()
-        was_training = self.model.training
-        self.model.eval()
-        losses: list[tuple[float, int]] = []  # (batch's token-mean loss, sequences in the batch)
-        try:
-            for batch in eval_batches(ds, self._cfg.per_device_eval_batch_size, self.pad_token_id,
-                                      self.data_collator, self._cfg.dataloader_drop_last):
-                s, n = engine.loss(batch)
-                losses.append((s / n if n else math.nan, int(batch["input_ids"].shape[0])))
-                self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
-        finally:
-            self.model.train(was_training)
-        n_batches, n_samples = len(losses), sum(b for _, b in losses)
-        if self._cfg.logging_nan_inf_filter and any(math.isfinite(x) for x, _ in losses):
-            losses = [(x, b) for x, b in losses if math.isfinite(x)]
-        if not losses:
-            raise ValueError("the eval_dataset yielded no batch")
-        # transformers repeats each batch's loss once per sequence (accelerate drops the padding of
-        # the last batch), so eval_loss is the sequence-weighted mean of the batch means
-        loss = sum(x * b for x, b in losses) / sum(b for _, b in losses)
-        runtime = time.time() - t0
-        metrics = {f"{metric_key_prefix}_loss": loss,
-                   f"{metric_key_prefix}_perplexity": math.exp(loss) if loss < 700 else math.inf,
-                   f"{metric_key_prefix}_runtime": round(runtime, 4),
-                   f"{metric_key_prefix}_samples_per_second": round(n_samples / runtime, 3),
-                   f"{metric_key_prefix}_steps_per_second": round(n_batches / runtime, 3)}
+        batches = eval_batches(ds, self._cfg.per_device_eval_batch_size, self.pad_token_id, self.data_collator,
+                               self._cfg.dataloader_drop_last)
+        losses = eval_losses(engine, self.model, batches, self._on_prediction_step)
+        metrics = eval_metrics(losses, metric_key_prefix, t0, self._cfg.logging_nan_inf_filter)
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         if self._worker is None:
             self._give_back_weights(real)
         return metrics
+
+    def _on_prediction_step(self) -> None:
+        self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
 
     # -- trace and export ------------------------------------------------------------------
     def _end_step(self, t0: float) -> None:

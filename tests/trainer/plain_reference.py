@@ -9,9 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 import trainer as mt
-from trainer.api import _no_decay_names
 from trainer.args import TrainingArguments, learning_rate_at
 from trainer.data import step_batches, steps_per_epoch
+from trainer.loop import no_decay_names
 from trainer.streaming import count_loss_tokens
 
 
@@ -42,7 +42,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def reference_train(model: torch.nn.Module, dataset: Any, args: TrainingArguments, steps: int) -> list[float]:
     """Plain in-memory training with torch.optim.AdamW; returns the per-step token-mean losses."""
     model = model.train()
-    no_decay = _no_decay_names(model)
+    no_decay = no_decay_names(model)
     params = dict(model.named_parameters())
     opt = torch.optim.AdamW(
         [{"params": [p for n, p in params.items() if n not in no_decay], "weight_decay": args.weight_decay},

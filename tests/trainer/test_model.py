@@ -109,7 +109,7 @@ _CHILD = textwrap.dedent("""
     store = model._trainer_store
     keys = store.keys()
     probe = store.get("model.layers.3.mlp.up_proj.weight")
-    from trainer.api import close_store
+    from trainer.session import close_store
     close_store(store)
     print(json.dumps({"before": before, "peak": peak, "keys": len(keys), "probe_sum": float(probe.double().sum())}))
 """)
@@ -144,7 +144,7 @@ def test_load_model_streams_a_sharded_checkpoint_in_little_ram(tmp_path: Any) ->
 
 
 def test_load_model_into_a_run_store_keeps_the_trained_weights_for_resume(dataset: Any, tmp_path: Any) -> None:
-    from trainer.api import close_store
+    from trainer.session import close_store
 
     src = build(llama_config(2))
     src.save_pretrained(tmp_path / "ckpt")

@@ -173,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         store = locals().get("streamed")
         if store is not None:
-            from trainer.api import close_store
+            from trainer.session import close_store
 
             close_store(store._trainer_store)
         if a.dir is None:

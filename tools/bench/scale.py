@@ -263,9 +263,9 @@ def child(spec: ChildSpec) -> None:
         opts.append(self)
 
     opt_mod.StoreAdamW.__init__ = opt_init  # type: ignore[method-assign]
-    import trainer.api
+    import trainer.loop
 
-    trainer.api.StoreAdamW = opt_mod.StoreAdamW  # type: ignore[attr-defined]
+    trainer.loop.StoreAdamW = opt_mod.StoreAdamW  # type: ignore[attr-defined]
 
     shape = Shape(spec.hidden, spec.intermediate, spec.heads, spec.layers)
     mt.init(offload_dir=spec.store, max_vram_gb=f"{spec.vram}B", max_ram_gb=f"{spec.ram}B",

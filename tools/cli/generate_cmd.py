@@ -112,8 +112,8 @@ def run(args: argparse.Namespace) -> int:
     ram = size_arg(args.ram_budget, "--ram-budget") if args.ram_budget is not None else None
     mt.init(offload_dir=args.store, max_vram_gb=f"{vram}B", max_ram_gb=None if ram is None else f"{ram}B",
             device=args.device)
-    from trainer.api import close_store, open_store
     from trainer.generate import skeleton_from_store
+    from trainer.session import close_store, open_store
 
     store = open_store(args.store)
     bar = None

@@ -256,7 +256,7 @@ def _stream(device: torch.device, name: str, batch: int, seq: int, steps: int, v
     """The streaming trainer on a Llama-style model with random weights put straight into its store."""
     import trainer as mt
     from trainer import model as model_mod
-    from trainer.api import open_store
+    from trainer.session import open_store
 
     config = llama_config(name, seq)
     params = n_params(config)

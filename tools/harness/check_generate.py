@@ -110,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         store = locals().get("streamed")
         if store is not None:
-            from trainer.api import close_store
+            from trainer.session import close_store
 
             close_store(store._trainer_store)
         shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,158 @@
+"""The run's session: what ``init`` configured, the compute device, the stores this process opened, ``load_model``.
+
+``init`` replaces the process-wide ``SessionConfig``; everything else reads it through
+``current()`` at the moment it needs it, so a later ``init`` applies to the next store opened and
+the next run started. Stores are opened once per folder and process (``open_store``), with the
+configured budgets, and closed without a commit (``close_store``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import tierstore
+import tierstore.config
+from trainer import distributed, memory
+from trainer import model as model_mod
+from trainer.args import TrainingArguments
+from trainer.checkpoint import STATE_KEY
+from trainer.model import decompose
+
+_GIB = 1 << 30
+
+
+@dataclass(kw_only=True, slots=True)
+class SessionConfig:
+    """What ``init`` set: where the store lives and its budgets."""
+
+    offload_dir: str | None = None
+    """The store's folder; None means <output_dir>/store (or a temporary folder for load_model)."""
+    device_budget: int | str | None = None
+    """Bytes of the device window (max_vram_gb)."""
+    ram_budget: int | str | None = None
+    """Bytes of the host RAM cache (max_ram_gb)."""
+    optimizer_compression: bool | str | None = True
+    """True: q8 Adam moments (the codec that met its goal); a codec name; False/"raw": raw."""
+    device: str | None = None
+    """The compute device; None: cuda if available, else cpu."""
+    keep_last: int | None = None
+    """Commits the store retains (None: tierstore's default); 1 keeps one copy of the state on disk."""
+
+
+_session = SessionConfig()
+_open_stores: dict[str, Any] = {}
+
+
+def current() -> SessionConfig:
+    """The configuration the last ``init`` set (the defaults before any)."""
+    return _session
+
+
+def _budget(gb: float | str | None, what: str) -> int | str | None:
+    if gb is None or isinstance(gb, str):
+        return gb
+    if gb <= 0:
+        raise ValueError(f"{what} must be > 0 GB, got {gb}")
+    return int(gb * _GIB)
+
+
+def _default_ram_budget(device_budget: int | str | None = None, device: str | None = None) -> int:
+    # From the memory available now (trainer.memory says how), not a fixed share of the total.
+    cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+    window = tierstore.config.parse_size(device_budget, "max_vram_gb") if device_budget is not None else None
+    return memory.default_ram_budget(window, cpu_window=cpu)
+
+
+def init(offload_dir: str | None = None, max_vram_gb: float | str | None = 80, max_ram_gb: float | str | None = None,
+         optimizer_compression: bool | str | None = True, device: str | None = None,
+         keep_last: int | None = None) -> SessionConfig:
+    """Configure where the store lives and its budgets (GB as numbers, or size strings like "64MiB")."""
+    global _session
+    memory.tune_malloc()  # freed tensors go back to the OS, so RSS follows what is really held
+    vram = _budget(max_vram_gb, "max_vram_gb")
+    _session = SessionConfig(
+        offload_dir=offload_dir,
+        device_budget=vram,
+        ram_budget=_budget(max_ram_gb, "max_ram_gb") if max_ram_gb is not None else _default_ram_budget(vram, device),
+        optimizer_compression=optimizer_compression,
+        device=device,
+        keep_last=keep_last,
+    )
+    return _session
+
+
+def compute_device(cfg: TrainingArguments | None = None) -> torch.device:
+    """The device the layers run on: ``init(device=)``, else cpu when ``use_cpu``, else cuda if available."""
+    if _session.device is not None:
+        dev = torch.device(_session.device)
+    elif cfg is not None and cfg.use_cpu:
+        dev = torch.device("cpu")
+    else:
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _, world, local = distributed.env_world()
+    if dev.type == "cuda" and dev.index is None and world > 1:
+        dev = torch.device("cuda", local)  # torchrun: one GPU per local rank
+    return dev
+
+
+def open_store(path: str, mode: str = "a") -> Any:
+    """The session's store at ``path``: opened once per process with the configured budgets."""
+    path = os.path.abspath(path)
+    store = _open_stores.get(path)
+    if store is not None and not store.closed:
+        return store
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    extra = {} if _session.keep_last is None else {"keep_last": _session.keep_last}
+    store = tierstore.open(path, mode=mode, ram_budget=_session.ram_budget, device_budget=_session.device_budget,
+                           device=str(compute_device()), **extra)
+    # a store left open by a failed run is closed at exit, without a commit, by tierstore itself
+    _open_stores[path] = store
+    return store
+
+
+def is_open(path: str) -> bool:
+    """Whether this process holds an open store at ``path`` (opened by ``open_store``)."""
+    known = _open_stores.get(os.path.abspath(path))
+    return known is not None and not known.closed
+
+
+def close_store(store: Any) -> None:
+    """Close a store opened by ``open_store`` and forget it."""
+    for path, s in list(_open_stores.items()):
+        if s is store:
+            del _open_stores[path]
+    # No implicit "close" commit: the head after the last checkpoint would pair new weights
+    # with the trainer state of the old one.
+    store.close(commit=False)
+
+
+def load_model(path_or_config: Any) -> nn.Module:
+    """A meta-device skeleton of a causal LM whose weights are streamed into the session store.
+
+    A store that already holds a training run's checkpoint keeps its weights (so that
+    ``resume_from_checkpoint`` continues the run); use a fresh ``offload_dir`` to start over.
+    """
+    import tempfile
+    import warnings
+
+    path = (distributed.rank_store_path(_session.offload_dir) if _session.offload_dir
+            else tempfile.mkdtemp(prefix="trainer-store-"))
+    store = open_store(path)
+    if STATE_KEY in store.keys(prefix="trainer/") and store.versions():
+        model = model_mod.skeleton_for(path_or_config)
+        missing = [n for n in decompose(model).all_params() if n not in set(store.keys())]
+        if missing:
+            raise ValueError(f"the store at {path} holds a run of another model (lacks {missing[:3]}); "
+                             "use a fresh offload_dir")
+        warnings.warn(f"the store at {path} holds a training run (last commit at step "
+                      f"{store.versions()[-1].step}); its weights are kept, not replaced by "
+                      f"{path_or_config!r}", stacklevel=2)
+    else:
+        model = model_mod.load_model(path_or_config, store)
+    model._trainer_store = store  # the Trainer finds the weights here
+    return model
