@@ -1,4 +1,4 @@
-"""Model-based concurrency test: 2,000 seeded random programs, 0 mismatches, 0 hangs.
+"""Model-based concurrency test: 2,100 seeded random programs, 0 mismatches, 0 hangs.
 
 Each program drives one store from asyncio tasks and sync-facade threads (put, get, slice,
 gather, delete, commit, prefetch, cancel, close-and-reopen, read-only opens of retained
@@ -6,8 +6,10 @@ versions, window gets with ``copy=False`` whose last loan is held and must never
 injected I/O faults, and compares every result with ``tools.harness.modelcheck``'s
 model; budgets are checked after every phase. A failure prints the seed and a shrunk program;
 ``python -m tools.harness.fuzz_store --seed S --programs 1`` replays it. Features that hit a defect
-still unfixed would run as xfail variants (``KNOWN``, empty now); the scenarios of issue 10's
-defects 2, 4 and 5 run as variants of their own, from committed data evicted from RAM.
+still unfixed would run as xfail variants (``KNOWN``, empty now); the scenarios that need
+committed data evicted from RAM (a cancelled commit, a get racing a put, a full disk) and the
+finalization of a store dropped without close (a full garbage collection each) run as variants
+of their own.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from tools.harness.modelcheck import generate, run_program, shrink
 from tools.harness.modelcheck.programs import BASE, EVICTED_START
 from tools.harness.modelcheck.runner import collect_strays
 
-PROGRAMS = 1700  # plus 100 for each defect scenario below: 2,000 in all
+PROGRAMS = 1700  # plus 100 for each scenario below: 2,100 in all
 BATCH = 100
 #: CI programs are short (the fuzz command runs longer ones): at most 2 phases of 4 calls each
 SHORT = dict(max_phases=2, max_ops=4)
@@ -53,9 +55,11 @@ def run_batch(root: str, seeds: range, features: tuple[str, ...], shrink_s: floa
     assert not strays, f"event-loop errors after the programs ended (seed, message): {strays[:5]}"
 
 
-#: the defect scenarios' features cost the most time (full-disk programs about 4x): CI runs them
-#: in their own variants below; ``tools.harness.fuzz_store`` mixes every feature into every program
-CORE = tuple(f for f in BASE if f not in EVICTED_START)
+#: the scenario features cost the most time (full-disk programs about 4x, a finalization a full
+#: garbage collection of torch's heap): CI runs them in their own variants below;
+#: ``tools.harness.fuzz_store`` mixes every feature into every program
+SCENARIOS = (*EVICTED_START, "finalize")
+CORE = tuple(f for f in BASE if f not in SCENARIOS)
 
 
 @pytest.mark.parametrize("start", range(0, PROGRAMS, BATCH))
@@ -63,8 +67,8 @@ def test_random_programs_match_the_model(root, start) -> None:
     run_batch(root, range(start, start + BATCH), CORE, shrink_s=30.0)
 
 
-@pytest.mark.parametrize("feature", EVICTED_START)
-def test_issue10_defect_scenarios(root, feature) -> None:
-    # 100 programs each, half from committed data no longer in RAM; seed 100204 of full_disk
-    # hung before issue 10's fix (defect 5), the others hit defects 2 and 4 in longer programs
+@pytest.mark.parametrize("feature", SCENARIOS)
+def test_feature_scenarios(root, feature) -> None:
+    # 100 programs each; with the evicted-start features half begin from committed data no
+    # longer in RAM (seed 100204 of full_disk once hung a commit on a full disk)
     run_batch(root, range(100_150, 100_250), (*CORE, feature), shrink_s=30.0)
