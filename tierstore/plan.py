@@ -15,7 +15,7 @@ by the store's event loop thread.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from tierstore.errors import StoreError
 from tierstore.keys import validate_key
@@ -52,7 +52,8 @@ class AccessPlan:
             return math.inf
         return (i - self.cursor) % len(self.keys)
 
-    def upcoming(self) -> list[str]:
-        """The plan's keys from the next one on, once round."""
+    def upcoming(self) -> Iterator[str]:
+        """The plan's keys from the next one on, once round (lazily: callers stop early)."""
         n = len(self.keys)
-        return [self.keys[(self.cursor + 1 + j) % n] for j in range(n)]
+        for j in range(n):
+            yield self.keys[(self.cursor + 1 + j) % n]

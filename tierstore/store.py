@@ -593,10 +593,10 @@ class AsyncStore(ReadPath):
             return
         # one key ahead (at least a chunk): enough to overlap its read with this update, and
         # every byte read ahead is a byte of state that cannot stay (more reads a cycle)
-        nxt = self._head.get(plan.upcoming()[0])
+        nxt = self._head.get(next(plan.upcoming()))
         ahead = min(budget // 8, max(nxt.stored_nbytes if nxt is not None else 0,
                                      self.config.chunk_bytes or 0, 1))
-        if self._host.reclaimable() < ahead:
+        if self._host.used + ahead > budget and self._host.reclaimable() < ahead:
             self._start_write_back()
         want: list[str] = []
         seen = 0
@@ -683,7 +683,16 @@ class AsyncStore(ReadPath):
         self._head[rec.key] = new
         self._borrows.mark_in_place(rec.key)
         if g not in self._committed:
-            self._retire_soon(rec.key, g, n)
+            if g not in self._writes and not self._pins.pinned(g) and g not in self._deferred:
+                # never written (an earlier update's, still dirty in RAM), now moved on: nothing
+                # on disk to delete, so no task and no io thread for it
+                self._gen_keys.pop(g, None)
+                for i in range(n):
+                    self._late_crcs.pop((g, i), None)
+                    self._host.drop((g, i))
+                self._window.forget(g)
+            else:
+                self._retire_soon(rec.key, g, n)
         u = Update(rec.key, rec, new, parts, chunked=chunked)
         if scratch_buf is not None:
             u.scratch_buf = scratch_buf
@@ -713,11 +722,39 @@ class AsyncStore(ReadPath):
         return Update(rec.key, rec, None, split_flat(scratch, sizes), scratch=scratch,
                       scratch_buf=buf, chunked=chunked)
 
+    async def begin_updates(self, keys: Sequence[str], *, chunked: bool = False) -> list[Update]:
+        """``begin_update`` of several keys (in sorted order: two callers never wait on each other
+        in a cycle), returned in the order of ``keys``; all of them or, on an error, none."""
+        if len(set(keys)) != len(keys):
+            raise StoreError(f"update of {list(keys)}: a key appears twice")
+        begun: dict[str, Update] = {}
+        try:
+            for key in sorted(keys):
+                begun[key] = await self.begin_update(key, chunked=chunked)
+        except BaseException:
+            await self.end_updates(list(begun.values()))
+            raise
+        return [begun[k] for k in keys]
+
+    async def end_updates(self, us: Sequence[Update]) -> None:
+        """``end_update`` of each of ``us`` (every one, even if an earlier one fails)."""
+        failure: BaseException | None = None
+        for u in us:
+            try:
+                await self.end_update(u)
+            except BaseException as e:  # the others are still given back
+                failure = failure or e
+        if failure is not None:
+            raise failure
+
     async def end_update(self, u: Update) -> None:
         """End an update: its value becomes the head (at once, or encoded from the scratch)."""
         if u.done:
             return
         u.done = True
+        if u.new is not None and u.scratch is None:
+            await self._finish_update(u)  # no await inside: it cannot be cancelled halfway
+            return
         task = self._spawn(self._finish_update(u))
         try:
             await asyncio.shield(task)

@@ -249,6 +249,25 @@ class Store:
             held.discard(key)
             self._running().run(self._a.end_update(u))
 
+    @contextlib.contextmanager
+    def update_many(self, keys: Sequence[str], *, chunked: bool = False) -> Iterator[list[Any]]:
+        """``update`` of several keys at once, in one hop to the loop each way: the list of loans.
+
+        The keys are lent in sorted order (two callers never wait on each other in a cycle);
+        all of them or, on an error, none.
+        """
+        keys = list(keys)
+        for key in keys:
+            self._refuse_held(key)
+        us = self._running().run(self._a.begin_updates(keys, chunked=chunked))
+        held = self._held_keys()
+        held.update(keys)
+        try:
+            yield [u.value() for u in us]
+        finally:
+            held.difference_update(keys)
+            self._running().run(self._a.end_updates(us))
+
     def get(self, key: str, device: str | torch.device | None = None, index: Index = None,
             copy: bool = True) -> torch.Tensor:
         """The newest value of ``key`` on the host, or in the device window with ``device=``.

@@ -145,6 +145,7 @@ class StoreAdamW:
         self.update_s = 0.0
         """Seconds of AdamW arithmetic."""
         self._clip_scratch: torch.Tensor | None = None
+        self._batching: dict[int, bool] = {}  # per group: lent all at once (fits the budget)
         # the order of updates is known: the store evicts and writes back what comes last and
         # reads ahead what comes next (state larger than the RAM budget moves the fewest bytes)
         plan = getattr(store, "plan", None)
@@ -183,54 +184,83 @@ class StoreAdamW:
         with self.lock:
             return {name: self.store.get(GRAD + name) + g for name, g in grads.items()}
 
-    def _scaled(self, grad: torch.Tensor, clip_coef: float) -> torch.Tensor:
-        """``grad * clip_coef`` (as torch's clipping computes it) in a scratch reused across calls."""
-        n = grad.numel()
+    def _scaled(self, grads: list[torch.Tensor], clip_coef: float) -> list[torch.Tensor]:
+        """``g * clip_coef`` of each (as torch's clipping computes it) in one scratch reused across calls."""
+        n = sum(g.numel() for g in grads)
         if self._clip_scratch is None or self._clip_scratch.numel() < n:
             self._clip_scratch = torch.empty(n, dtype=torch.float32)
-        out = self._clip_scratch[:n].view(grad.shape)
-        torch.mul(grad, clip_coef, out=out)
+        out, at = [], 0
+        for g in grads:
+            o = self._clip_scratch[at : at + g.numel()].view(g.shape)
+            torch.mul(g, clip_coef, out=o)
+            out.append(o)
+            at += g.numel()
         return out
+
+    def _batches(self, g: int) -> list[list[str]]:
+        """Group ``g``'s parameters in the batches lent at once: the whole group when its state
+        fits half the RAM budget (one hop to the store's loop each way), else one each."""
+        names = self.groups[g]
+        if g not in self._batching:
+            cfg = getattr(self.store, "config", None)
+            budget = getattr(cfg, "ram_budget", None)
+            state = sum(3 * int(self.store.info(n).nbytes) for n in names) if budget is not None else 0
+            self._batching[g] = budget is None or state <= budget // 2
+        return [list(names)] if self._batching[g] else [[n] for n in names]
 
     def update_group(self, g: int, step: int, h: AdamWHyper, clip_coef: float | None,
                      grads: dict[str, torch.Tensor] | None = None) -> None:
         """Update group ``g`` at 1-based ``step``; gradients from ``grads`` or from the store.
 
-        Weights and moments are updated where they live in the store (``Store.update``, one
-        flat view per chunk): no copy and no fresh page for raw state in the RAM budget, and
+        Weights and moments are updated where they live in the store (``Store.update_many``,
+        one flat view per chunk): no copy and no fresh page for raw state in the RAM budget, and
         no disk write until the budget or a commit needs one. Coded moments are decoded into
         a scratch buffer and encoded back at the end of the update.
         """
         start = time.perf_counter()
-        for name in self.groups[g]:
-            grad = grads[name] if grads is not None else self.store.get(GRAD + name)
-            grad = grad.to(torch.float32)
-            if clip_coef is not None:
-                grad = self._scaled(grad, clip_coef)  # torch multiplies by the clamped coefficient, 1.0 included
-            wd = 0.0 if name in self.no_decay else h.weight_decay
-            mc, vc = self._codecs(grad)
-            with contextlib.ExitStack() as stack:
-                with self.lock:
-                    if step == 1 or EXP_AVG + name not in self.store:
-                        # a fresh run: moments start at zero whatever an old store holds
-                        zeros = torch.zeros(grad.shape, dtype=torch.float32)
-                        self.store.put(EXP_AVG + name, zeros, codec=mc)
-                        self.store.put(EXP_AVG_SQ + name, zeros, codec=vc)
-                    params = stack.enter_context(self.store.update(name, chunked=True))
-                    ms = stack.enter_context(self.store.update(EXP_AVG + name, chunked=True))
-                    vs = stack.enter_context(self.store.update(EXP_AVG_SQ + name, chunked=True))
-                t0 = time.perf_counter()
-                # weights and moments of one shape usually share their chunks; where they do
-                # not (bf16 weights) each is cut where any of them has a chunk end: views only
-                bounds = _bounds(params, ms, vs)
-                adamw_update_many_(_cut(params, bounds), _cut([grad.reshape(-1)], bounds),
-                                   _cut(ms, bounds), _cut(vs, bounds), step, h, wd)
-                self.update_s += time.perf_counter() - t0
+        for names in self._batches(g):
+            self._update(names, step, h, clip_coef, grads)
         end = time.perf_counter()
         self.busy_s += end - start
         trace = getattr(self.store, "trace_span", None)
         if trace is not None:
             trace(f"adamw {g}", "optimizer", start, end)
+
+    def _update(self, names: list[str], step: int, h: AdamWHyper, clip_coef: float | None,
+                grads: dict[str, torch.Tensor] | None) -> None:
+        """One AdamW step of ``names``, their weights and moments lent by the store together."""
+        gs = [(grads[n] if grads is not None else self.store.get(GRAD + n)).to(torch.float32) for n in names]
+        if clip_coef is not None:
+            gs = self._scaled(gs, clip_coef)  # torch multiplies by the clamped coefficient, 1.0 included
+        keys = [k for n in names for k in (n, EXP_AVG + n, EXP_AVG_SQ + n)]
+        with contextlib.ExitStack() as stack:
+            with self.lock:
+                for n, grad in zip(names, gs, strict=True):
+                    if step == 1 or EXP_AVG + n not in self.store:
+                        # a fresh run: moments start at zero whatever an old store holds
+                        mc, vc = self._codecs(grad)
+                        zeros = torch.zeros(grad.shape, dtype=torch.float32)
+                        self.store.put(EXP_AVG + n, zeros, codec=mc)
+                        self.store.put(EXP_AVG_SQ + n, zeros, codec=vc)
+                many = getattr(self.store, "update_many", None)
+                if many is not None:  # one hop to the store's loop each way
+                    lent = stack.enter_context(many(keys, chunked=True))
+                else:
+                    lent = [stack.enter_context(self.store.update(k, chunked=True)) for k in keys]
+            t0 = time.perf_counter()
+            by_wd: dict[float, tuple[list[torch.Tensor], ...]] = {}
+            for j, (n, grad) in enumerate(zip(names, gs, strict=True)):
+                params, ms, vs = lent[3 * j : 3 * j + 3]
+                # weights and moments of one shape usually share their chunks; where they do
+                # not (bf16 weights) each is cut where any of them has a chunk end: views only
+                bounds = _bounds(params, ms, vs)
+                wd = 0.0 if n in self.no_decay else h.weight_decay
+                lists = by_wd.setdefault(wd, ([], [], [], []))
+                for dst, src in zip(lists, (params, [grad.reshape(-1)], ms, vs), strict=True):
+                    dst.extend(_cut(src, bounds))
+            for wd, (ps, gl, ml, vl) in by_wd.items():
+                adamw_update_many_(ps, gl, ml, vl, step, h, wd)
+            self.update_s += time.perf_counter() - t0
 
 
 def _cut(parts: list[torch.Tensor], bounds: list[int]) -> list[torch.Tensor]:

@@ -109,7 +109,7 @@ _CALLS = {
     "window_empty": ((2,), torch.float32), "staging_pool": (1024, 1), "mark_step": (),
     "info": ("a",), "keys": (), "delete": ("a",), "commit": (), "versions": (), "stats": (),
     "zarr_path": ("a",), "verify": (), "chrome_trace": (), "trace_span": ("x", "y", 0.0, 1.0),
-    "__contains__": ("a",), "update": ("a",), "plan": (["a"],), "restore": ("a", 1),
+    "__contains__": ("a",), "update": ("a",), "plan": (["a"],), "restore": ("a", 1), "update_many": (["a"],),
 }
 #: public members that are not store operations: they work after close
 _NOT_OPERATIONS = {"close", "closed", "async_store"}
@@ -124,7 +124,7 @@ def test_every_public_method_of_a_closed_store_raises_store_closed(tmp_path) -> 
     for name, args in _CALLS.items():
         with pytest.raises(tierstore.StoreClosed):
             got = getattr(s, name)(*args)
-            if name == "update":  # a context manager: the call starts on entering it
+            if name in ("update", "update_many"):  # context managers: the call starts on entering
                 with got:
                     pass
     with pytest.raises(tierstore.StoreClosed):

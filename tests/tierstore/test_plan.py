@@ -57,7 +57,7 @@ def test_plan_distances_follow_the_cycle() -> None:
     assert p.touch("b") and not p.touch("zz")
     assert [p.distance(k) for k in "abcd"] == [3, 0, 1, 2]  # "a" was needed last
     assert p.distance("zz") == float("inf")
-    assert p.upcoming() == ["c", "d", "a", "b"]
+    assert list(p.upcoming()) == ["c", "d", "a", "b"]
 
 
 def test_bad_plans_are_refused_by_name(tmp_path) -> None:

@@ -243,3 +243,22 @@ def test_a_hint_during_an_update_never_caches_half_of_it(tmp_path, to) -> None:
             await s.close()
 
     asyncio.run(main())
+
+
+def test_update_many_lends_all_or_none_and_refuses_a_key_twice(tmp_path) -> None:
+    with _open(tmp_path / "s") as s:
+        s.put("b", torch.zeros(4))
+        s.put("a", torch.ones(4))
+        with s.update_many(["b", "a"]) as (b, a):  # the caller's order
+            assert torch.equal(a, torch.ones(4)) and torch.equal(b, torch.zeros(4))
+            b.add_(2)
+            a.add_(3)
+        assert torch.equal(s.get("a"), torch.full((4,), 4.0)) and torch.equal(s.get("b"), torch.full((4,), 2.0))
+        with pytest.raises(KeyNotFound):
+            with s.update_many(["a", "missing"]):
+                pass
+        with s.update("a") as t:  # "a" was given back when "missing" failed
+            t.zero_()
+        with pytest.raises(StoreError, match="twice"):
+            with s.update_many(["a", "a"]):
+                pass

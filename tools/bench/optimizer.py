@@ -69,10 +69,10 @@ class _Timed:
             self.store_s += time.perf_counter() - t0
 
     @contextlib.contextmanager
-    def update(self, *a: Any, **k: Any) -> Iterator[Any]:
+    def _timed(self, cm: Any) -> Iterator[Any]:
         t0 = time.perf_counter()
         with contextlib.ExitStack() as stack:
-            lent = stack.enter_context(self._s.update(*a, **k))
+            lent = stack.enter_context(cm)
             self.store_s += time.perf_counter() - t0
             try:
                 yield lent
@@ -80,6 +80,12 @@ class _Timed:
                 t1 = time.perf_counter()
                 stack.close()
                 self.store_s += time.perf_counter() - t1
+
+    def update(self, *a: Any, **k: Any) -> Any:
+        return self._timed(self._s.update(*a, **k))
+
+    def update_many(self, *a: Any, **k: Any) -> Any:
+        return self._timed(self._s.update_many(*a, **k))
 
 
 def disk_rate(folder: str, nbytes: int, piece: int) -> tuple[float, float]:
