@@ -145,7 +145,7 @@ class StoreAdamW:
         self.update_s = 0.0
         """Seconds of AdamW arithmetic."""
         self._clip_scratch: torch.Tensor | None = None
-        self._batching: dict[int, bool] = {}  # per group: lent all at once (fits the budget)
+        self._batch_groups: bool | None = None  # groups lent all at once (the state fits the budget)
         # the order of updates is known: the store evicts and writes back what comes last and
         # reads ahead what comes next (state larger than the RAM budget moves the fewest bytes)
         plan = getattr(store, "plan", None)
@@ -198,15 +198,18 @@ class StoreAdamW:
         return out
 
     def _batches(self, g: int) -> list[list[str]]:
-        """Group ``g``'s parameters in the batches lent at once: the whole group when its state
-        fits half the RAM budget (one hop to the store's loop each way), else one each."""
+        """Group ``g``'s parameters in the batches lent at once: the whole group when the whole
+        optimizer state fits half the RAM budget (one hop to the store's loop each way; nothing
+        streams), else one parameter at a time (a group lent whole would crowd out the weights
+        the next pass streams)."""
         names = self.groups[g]
-        if g not in self._batching:
+        if self._batch_groups is None:
             cfg = getattr(self.store, "config", None)
             budget = getattr(cfg, "ram_budget", None)
-            state = sum(3 * int(self.store.info(n).nbytes) for n in names) if budget is not None else 0
-            self._batching[g] = budget is None or state <= budget // 2
-        return [list(names)] if self._batching[g] else [[n] for n in names]
+            state = 0 if budget is None else sum(
+                3 * int(self.store.info(n).nbytes) for group in self.groups for n in group)
+            self._batch_groups = budget is None or state <= budget // 2
+        return [list(names)] if self._batch_groups else [[n] for n in names]
 
     def update_group(self, g: int, step: int, h: AdamWHyper, clip_coef: float | None,
                      grads: dict[str, torch.Tensor] | None = None) -> None:
