@@ -686,11 +686,7 @@ class AsyncStore(ReadPath):
             if g not in self._writes and not self._pins.pinned(g) and g not in self._deferred:
                 # never written (an earlier update's, still dirty in RAM), now moved on: nothing
                 # on disk to delete, so no task and no io thread for it
-                self._gen_keys.pop(g, None)
-                for i in range(n):
-                    self._late_crcs.pop((g, i), None)
-                    self._host.drop((g, i))
-                self._window.forget(g)
+                self._forget_in_memory(g, n)
             else:
                 self._retire_soon(rec.key, g, n)
         u = Update(rec.key, rec, new, parts, chunked=chunked)
@@ -978,14 +974,18 @@ class AsyncStore(ReadPath):
             if shared and (leased is None or g in leased):
                 continue  # a reader (maybe in another process) reads it
             del self._deferred[g]
-            for i in range(n_chunks):
-                self._late_crcs.pop((g, i), None)
-            self._gen_keys.pop(g, None)
-            self._host.drop_generation(g, n_chunks)
-            self._window.forget(g)
-            self._shard_maps.pop(g, None)
-            self._mapped.forget(g)
+            self._forget_in_memory(g, n_chunks)
             await self._run_io(self._disk.delete_generation, key, g)
+
+    def _forget_in_memory(self, g: int, n_chunks: int) -> None:
+        """Drop everything this process keeps of generation ``g`` (its RAM chunks, window copy, maps)."""
+        for i in range(n_chunks):
+            self._late_crcs.pop((g, i), None)
+        self._gen_keys.pop(g, None)
+        self._host.drop_generation(g, n_chunks)
+        self._window.forget(g)
+        self._shard_maps.pop(g, None)
+        self._mapped.forget(g)
 
     def _on_unpinned(self, gen: int) -> None:
         """The last in-process user of ``gen`` let go: collect it if it waited for that."""

@@ -26,7 +26,6 @@ import dataclasses
 
 import torch
 
-from tierstore.errors import StoreError
 from tierstore.records import GenRecord
 
 #: crc32c of a chunk an in-place update changed, until it is written (computed there, once)
@@ -120,9 +119,7 @@ class Update:
             return self.parts
         if self.scratch is not None:
             return self.scratch.view(shape)
-        if len(self.parts) == 1:
-            return self.parts[0].view(shape)
-        raise StoreError(f"update({self.key!r}): a tensor of several chunks needs a scratch")  # unreachable
+        return self.parts[0].view(shape)  # in place, not chunked: one chunk (else a scratch)
 
 
 def split_flat(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
