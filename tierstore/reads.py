@@ -197,8 +197,7 @@ class ReadPath:
         n = t.numel()
         for lo in range(0, n, step):
             hi = min(n, lo + step)
-            while (buf := pool.try_acquire()) is None:
-                await asyncio.sleep(0.0005)  # another load holds every buffer while it fills one
+            buf = await pool.acquire_async()  # another load may hold every buffer while it fills one
             try:
                 view = buf[: (hi - lo) * item].view(rec.decoded_dtype)
                 await self._fill(rec, [(lo, hi, 0)], view)
@@ -221,7 +220,7 @@ class ReadPath:
     async def _admit(self, gen: int | None, host: torch.Tensor, wait: bool) -> torch.Tensor:
         nbytes = host.numel() * host.element_size()
         await self._wait_room(nbytes, wait)
-        out = self._window.admit(gen, host, owned=True)
+        out = await self._window.admit(gen, host, owned=True)
         self.stats_counters.bytes_h2d += nbytes
         return out
 

@@ -473,7 +473,7 @@ class AsyncStore(ReadPath):
         codec_obj.check_dtype(tensor.dtype)
         t = tensor.detach()
         if t.device.type != "cpu":
-            t = self._window.to_host(t)  # on the D2H stream, through the staging buffers
+            t = await self._window.to_host(t)  # on the D2H stream, through the staging buffers
             self.stats_counters.bytes_d2h += t.numel() * t.element_size()
         t = t.contiguous()
         assert self.config.chunk_bytes is not None

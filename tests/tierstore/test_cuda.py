@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -68,7 +70,11 @@ def test_cuda_window_upload_is_asynchronous_and_event_gated(tmp_path) -> None:
     win.attach_staging(host)
     assert win.staging is not None and host.used == win.staging.nbytes
     xs = [torch.randn(1 << 20) for _ in range(8)]  # 4 MiB each, more than the pool holds
-    ts = [win.admit(None, x) for x in xs]
+
+    async def admit_all() -> list[torch.Tensor]:
+        return [await win.admit(None, x) for x in xs]
+
+    ts = asyncio.run(admit_all())
     for x, t in zip(xs, ts, strict=True):
         win.wait_ready(t)
         assert torch.equal(t.cpu(), x)

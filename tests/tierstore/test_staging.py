@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import threading
 
 import pytest
 import torch
 
 import tierstore
-from tierstore.errors import BudgetError
+from tierstore.errors import BudgetError, StoreError
 from tierstore.tiers.device import DeviceWindow
 from tierstore.tiers.host import HostTier
 from tierstore.tiers.staging import StagingPool, staging_plan
@@ -102,7 +105,7 @@ def test_window_on_cpu_stages_nothing() -> None:
     win.attach_staging(HostTier(budget=1 << 20))
     assert win.staging is None
     x = torch.randn(5, 7)
-    assert torch.equal(win.to_host(x), x)
+    assert torch.equal(asyncio.run(win.to_host(x)), x)
 
 
 def test_window_events_are_keyed_by_tensor_identity() -> None:
@@ -172,3 +175,94 @@ def test_store_staging_pool_is_counted_and_given_back(tmp_path) -> None:
             s.staging_pool(2 << 20, 1)
     with pytest.raises(tierstore.StoreClosed):
         s.staging_pool(4096, 1)
+
+
+def test_acquire_async_waits_for_a_release_from_another_thread() -> None:
+    pool = StagingPool(4096, 1)
+    buf = pool.acquire()
+
+    async def take() -> torch.Tensor:
+        threading.Timer(0.05, pool.release, args=(buf,)).start()
+        return await asyncio.wait_for(pool.acquire_async(), timeout=10)
+
+    assert asyncio.run(take()) is buf and pool.waits == 1
+
+
+def test_acquire_async_cancelled_leaves_no_waiter() -> None:
+    pool = StagingPool(4096, 1)
+    buf = pool.acquire()
+
+    async def give_up() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(pool.acquire_async(), timeout=0.02)
+
+    asyncio.run(give_up())
+    assert pool._waiters == []
+    pool.release(buf)
+    assert pool.try_acquire() is buf
+
+
+def test_window_pool_refuses_blocking_acquire(tmp_path) -> None:
+    with tierstore.open(tmp_path, ram_budget="16MiB", device="cpu") as s:
+        win = s.async_store._window
+        win.attach_staging(s.async_store._host, on_cpu=True)
+        assert win.staging is not None and win.staging.loop_owned
+        with pytest.raises(StoreError, match="acquire_async"):
+            win.staging.acquire()
+
+
+class _FakeCudaEvent:
+    def record(self, stream: object = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+def test_loop_never_blocks_on_an_exhausted_pool(tmp_path, monkeypatch) -> None:
+    # A pool of one buffer, held by a coroutine across an await, while another coroutine on the
+    # same loop uploads through the pool (the CUDA admit path, with streams and events faked on
+    # the CPU). A loop thread that blocked on the pool would never run the holder's release.
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
+    with tierstore.open(tmp_path, ram_budget="16MiB", device="cpu") as s:
+        a = s.async_store
+        x = torch.randn(64, 100)
+        s.put("x", x)
+        win = a._window
+        win.is_cuda, win._stream = True, object()
+        pool = win.staging = StagingPool(4096, 1, host=a._host)
+        held: list[torch.Tensor] = []
+
+        async def scenario() -> torch.Tensor:
+            taken = asyncio.Event()
+
+            async def holder() -> None:
+                buf = pool.try_acquire()
+                assert buf is not None
+                held.append(buf)
+                taken.set()
+                await asyncio.sleep(0.2)  # the buffer stays held across an await
+                held.pop()
+                pool.release(buf)
+
+            h = asyncio.ensure_future(holder())
+            await taken.wait()
+            got = await a.get("x", index=slice(3, 40), device="cpu")  # the staged admit
+            await h
+            return got
+
+        fut = asyncio.run_coroutine_threadsafe(scenario(), s._loop.loop)
+        try:
+            got = fut.result(timeout=20)
+        except concurrent.futures.TimeoutError:
+            for buf in list(held):
+                pool.release(buf)  # unstick the loop so the store can close
+            fut.result(timeout=20)
+            win.is_cuda = False
+            pytest.fail("the loop thread blocked on the exhausted staging pool (self-deadlock)")
+        win.is_cuda = False
+        assert torch.equal(got, x[3:40]) and pool.waits >= 1 and pool.acquired >= 3

@@ -11,7 +11,10 @@ through the pool's pinned buffers in pieces, so the DMA is truly asynchronous, a
 copies (``to_host``) run on a second, D2H stream into the same buffers. Without CUDA the device
 is the CPU, copies are synchronous, the pool is not used, and the budget is enforced all the same.
 Owned by the store's event loop thread, except the finalizers, which may run on any thread and
-only touch ``_released`` under a lock; both CUDA streams belong to the window.
+only touch ``_released`` under a lock; both CUDA streams belong to the window. The pool is
+``loop_owned``: its buffers are taken only by ``await acquire_async()``, since coroutines of the
+same loop hold buffers across awaits and a blocked loop would never see them released; so the
+copies that need one (``admit`` of a pageable tensor, ``to_host``) are coroutines.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class DeviceWindow:
         if (not self.is_cuda and not on_cpu) or self.staging is not None:
             return
         try:
-            self.staging = StagingPool.from_host_tier(host, self.budget)
+            self.staging = StagingPool.from_host_tier(host, self.budget, loop_owned=True)
         except BudgetError:
             self.staging = None
 
@@ -101,19 +104,18 @@ class DeviceWindow:
             self._strong.popitem(last=False)
         return self.live_bytes + nbytes <= self.budget
 
-    def admit(self, generation: int | None, host: torch.Tensor, owned: bool = False) -> torch.Tensor:
+    async def admit(self, generation: int | None, host: torch.Tensor, owned: bool = False) -> torch.Tensor:
         """Move a host tensor into the window (room must have been made) and track it.
 
         ``owned`` says nobody else references ``host``, so on the CPU it is taken as it is.
         """
         nbytes = host.numel() * host.element_size()
+        if self.is_cuda and self.staging is not None and not host.is_pinned():
+            return self.finish_upload(generation, await self._upload_staged(host))
         if self.is_cuda:
             assert self._stream is not None
-            if self.staging is not None and not host.is_pinned():
-                t = self._upload_staged(host)
-            else:
-                with torch.cuda.stream(self._stream):
-                    t = host.to(self.device, non_blocking=True)
+            with torch.cuda.stream(self._stream):
+                t = host.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
             self._events[t] = event
@@ -196,26 +198,30 @@ class DeviceWindow:
             self._strong[generation] = t
         return t
 
-    def _upload_staged(self, host: torch.Tensor) -> torch.Tensor:
-        """Copy a pageable host tensor up through pinned buffers, piece by piece, on the H2D stream."""
+    async def _upload_staged(self, host: torch.Tensor) -> torch.Tensor:
+        """Copy a pageable host tensor up through pinned buffers, piece by piece, on the H2D stream.
+
+        The tensor is counted from the start (``start_upload``): a coroutine that makes room
+        while this one awaits a buffer sees its bytes.
+        """
         pool = self.staging
         assert pool is not None and self._stream is not None
         src = host.contiguous().reshape(-1).view(torch.uint8) if host.numel() else host.reshape(-1)
-        with torch.cuda.stream(self._stream):
-            t = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-            dst = t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
-            n, step = src.numel(), pool.buffer_bytes
-            for lo in range(0, n, step):
-                hi = min(n, lo + step)
-                buf = pool.acquire()
+        t = self.start_upload(tuple(host.shape), host.dtype)
+        dst = t.reshape(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
+        n, step = src.numel(), pool.buffer_bytes
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            buf = await pool.acquire_async()
+            with torch.cuda.stream(self._stream):
                 buf[: hi - lo].copy_(src[lo:hi])  # host memcpy into page-locked memory
                 dst[lo:hi].copy_(buf[: hi - lo], non_blocking=True)
                 done = torch.cuda.Event()
                 done.record(self._stream)
-                pool.release(buf, after=done)  # reused once this piece's DMA has run
+            pool.release(buf, after=done)  # reused once this piece's DMA has run
         return t
 
-    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+    async def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A host copy of a device tensor, copied on the D2H stream through the staging pool.
 
         The D2H stream first waits on the caller's current stream (the kernels that produced
@@ -231,15 +237,17 @@ class DeviceWindow:
         produced = torch.cuda.current_stream(t.device)
         self._d2h_stream.wait_stream(produced)
         n, step = src.numel(), pool.buffer_bytes
-        with torch.cuda.stream(self._d2h_stream):
-            for lo in range(0, n, step):
-                hi = min(n, lo + step)
-                buf = pool.acquire()
-                buf[: hi - lo].copy_(src[lo:hi], non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(self._d2h_stream)
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            buf = await pool.acquire_async()
+            try:
+                with torch.cuda.stream(self._d2h_stream):
+                    buf[: hi - lo].copy_(src[lo:hi], non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(self._d2h_stream)
                 done.synchronize()
                 dst[lo:hi].copy_(buf[: hi - lo])
+            finally:
                 pool.release(buf)
         return out
 

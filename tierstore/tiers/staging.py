@@ -13,19 +13,27 @@ of buffers allocated once, at open, and recycled:
   event has completed, i.e. once the asynchronous copy that reads or fills it is done; the
   host waits on such an event only when every buffer is still in flight (backpressure).
 
-Thread safety: ``acquire``/``release`` may be called from any thread (the store's loop thread,
-the trainer's thread, the gradient drain thread); one condition variable guards the free list.
+Thread safety: ``release`` may be called from any thread (the store's loop thread, the
+trainer's thread, the gradient drain thread); one condition variable guards the free list.
+An event loop thread takes buffers only with ``await acquire_async()``, never the blocking
+``acquire``: its own coroutines hold buffers across awaits (a load fills one from the disk),
+so a loop thread that blocked on an exhausted pool would wait for releases that only it can run.
+Invariant: a thread running an event loop never blocks on the pool. A pool made with
+``loop_owned=True`` (the device window's) refuses ``acquire`` outright, so no caller can break
+the rule by accident; a waiting coroutine is woken by ``release`` from any thread through
+``loop.call_soon_threadsafe``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import deque
 from typing import Any
 
 import torch
 
-from tierstore.errors import BudgetError
+from tierstore.errors import BudgetError, StoreError
 
 _MIB = 1 << 20
 
@@ -46,10 +54,16 @@ def staging_plan(ram_budget: int | None, device_budget: int | None, count: int =
     return max(size, 4096), count
 
 
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class StagingPool:
     """``count`` host buffers of ``buffer_bytes`` each, recycled; events gate their reuse."""
 
-    def __init__(self, buffer_bytes: int, count: int, pin: bool = False, host: Any = None) -> None:
+    def __init__(self, buffer_bytes: int, count: int, pin: bool = False, host: Any = None,
+                 loop_owned: bool = False) -> None:
         if buffer_bytes <= 0 or count <= 0:
             raise BudgetError(f"a staging pool needs buffer_bytes > 0 and count > 0, got "
                               f"{buffer_bytes} and {count}")
@@ -67,6 +81,10 @@ class StagingPool:
         self._free: deque[torch.Tensor] = deque(self._bufs)
         self._in_flight: deque[tuple[torch.Tensor, Any]] = deque()  # (buffer, event) in release order
         self._cond = threading.Condition()
+        #: coroutines waiting in ``acquire_async``, each with its loop; woken by every release
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self.loop_owned = loop_owned
+        """Buffers are taken only on an event loop (``acquire_async``); ``acquire`` is refused."""
         self.acquired = 0
         """Buffers handed out since open (each one a reuse: the pool never allocates again)."""
         self.waits = 0
@@ -79,10 +97,11 @@ class StagingPool:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
 
     @classmethod
-    def from_host_tier(cls, host: Any, device_budget: int | None = None, count: int = 4) -> StagingPool:
+    def from_host_tier(cls, host: Any, device_budget: int | None = None, count: int = 4,
+                       loop_owned: bool = False) -> StagingPool:
         """A pool whose buffers come from (and are counted in) a ``HostTier``'s RAM budget."""
         size, n = staging_plan(host.budget, device_budget, count)
-        return cls(size, n, pin=bool(getattr(host, "pin", False)), host=host)
+        return cls(size, n, pin=bool(getattr(host, "pin", False)), host=host, loop_owned=loop_owned)
 
     @property
     def count(self) -> int:
@@ -103,11 +122,21 @@ class StagingPool:
             self._in_flight.popleft()
             self._free.append(buf)
 
-    def acquire(self, nbytes: int | None = None, timeout: float | None = None) -> torch.Tensor:
-        """A free buffer (uint8, ``buffer_bytes`` long), waiting for an in-flight copy if none is."""
+    def _check_size(self, nbytes: int | None) -> None:
         if nbytes is not None and nbytes > self.buffer_bytes:
             raise BudgetError(f"{nbytes} B do not fit a staging buffer of {self.buffer_bytes} B; "
                               "copy in pieces")
+
+    def acquire(self, nbytes: int | None = None, timeout: float | None = None) -> torch.Tensor:
+        """A free buffer (uint8, ``buffer_bytes`` long), waiting for an in-flight copy if none is.
+
+        Blocks the calling thread: never call it on an event loop thread (see the module
+        docstring); a ``loop_owned`` pool refuses it.
+        """
+        self._check_size(nbytes)
+        if self.loop_owned:
+            raise StoreError("this staging pool belongs to an event loop: take its buffers with "
+                             "'await acquire_async()', which never blocks the loop")
         with self._cond:
             if self._closed:
                 raise BudgetError("the staging pool is closed")
@@ -124,25 +153,54 @@ class StagingPool:
             self.acquired += 1
             return self._free.popleft()
 
-    def try_acquire(self) -> torch.Tensor | None:
-        """A free buffer, or the oldest in-flight one once its copy is done; None if all are held.
+    def _take(self) -> torch.Tensor | None:
+        """A free buffer, or the oldest in-flight one once its copy is done; None if all are held (lock held)."""
+        if self._closed:
+            raise BudgetError("the staging pool is closed")
+        self._reclaim()
+        if not self._free and self._in_flight:
+            buf, event = self._in_flight.popleft()
+            event.synchronize()  # a DMA already queued: it ends without the loop's help
+            self._free.append(buf)
+        if not self._free:
+            self.waits += 1
+            return None
+        self.acquired += 1
+        return self._free.popleft()
 
-        For the store's event loop thread, which must never block on a buffer that one of its own
-        coroutines holds (it would never be released): the caller awaits and retries.
-        """
+    def try_acquire(self) -> torch.Tensor | None:
+        """A free buffer, or the oldest in-flight one once its copy is done; None if all are held."""
         with self._cond:
-            if self._closed:
-                raise BudgetError("the staging pool is closed")
-            self._reclaim()
-            if not self._free and self._in_flight:
-                buf, event = self._in_flight.popleft()
-                event.synchronize()  # a DMA already queued: it ends without the loop's help
-                self._free.append(buf)
-            if not self._free:
-                self.waits += 1
-                return None
-            self.acquired += 1
-            return self._free.popleft()
+            return self._take()
+
+    async def acquire_async(self, nbytes: int | None = None) -> torch.Tensor:
+        """A free buffer for a coroutine: awaits a release (from any thread) instead of blocking the loop."""
+        self._check_size(nbytes)
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._cond:
+                buf = self._take()
+                if buf is not None:
+                    return buf
+                # registered under the lock that release takes: no release can slip between
+                # the failed take and the registration
+                fut: asyncio.Future[None] = loop.create_future()
+                self._waiters.append((loop, fut))
+            try:
+                await fut
+            finally:
+                with self._cond:
+                    if (loop, fut) in self._waiters:
+                        self._waiters.remove((loop, fut))
+
+    def _wake_waiters(self) -> None:
+        """Wake every coroutine in ``acquire_async`` to retry (lock held); each retries on its loop."""
+        waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            try:
+                loop.call_soon_threadsafe(_resolve, fut)
+            except RuntimeError:
+                pass  # its loop is closed: nobody is left to wake
 
     def release(self, buf: torch.Tensor, after: Any = None) -> None:
         """Give a buffer back; with ``after`` (a CUDA event) it is reused once the event is done."""
@@ -152,6 +210,7 @@ class StagingPool:
             else:
                 self._in_flight.append((buf, after))
             self._cond.notify()
+            self._wake_waiters()
 
     def close(self) -> None:
         """Wait for copies in flight and give the buffers back to the RAM budget."""
@@ -161,6 +220,7 @@ class StagingPool:
             self._in_flight.clear()
             self._free.clear()
             self._closed = True
+            self._wake_waiters()  # they retry and find the pool closed
             if self._host is not None:
                 for buf in self._bufs:
                     self._host.release(buf)
