@@ -36,6 +36,9 @@ FEATURES = (
     "finalize",  # barriers that drop the store in a reference cycle without close, collect it
     #              (on its own loop thread or the caller's) and reopen
     "restore",  # restore(): an own key's head made a random retained version's generation again
+    "fork",  # an actor forks a child while the writer is open (the child exits at once, after a
+    #          short sleep, or lives until the phase's barriers are done); the phase then ends
+    #          with a close and reopen, run while a child may still live
 )
 
 #: features that hit a known, unfixed store defect: their test variants are xfail(strict=False)
@@ -60,7 +63,7 @@ INDEX_KINDS = ("list", "tensor", "tensor2d", "int", "npint", "tensor0d", "nparra
 class Op:
     """One call of a program; which fields matter depends on ``kind``."""
 
-    kind: str  # put get slice gather delete restore commit prefetch cancel mark_step | barrier kinds
+    kind: str  # put get slice gather delete restore commit prefetch cancel mark_step fork | barrier kinds
     actor: int = -1  # -1: a barrier, run alone after the phase's actors
     key: str = ""
     vid: int = 0  # put: the value's id (the tensor is a function of it)
@@ -76,8 +79,10 @@ class Op:
     wait: bool = False  # prefetch
     inner: Op | None = None  # cancel: the call that is cancelled
     style: str = ""  # cancel: "wait_for" (tiny timeout) or "cancel" (task.cancel after yields);
-    #                  finalize: the thread that collects the dropped store ("loop" or "caller")
-    delay: int = 0  # cancel: loop yields (or microseconds of timeout) before cancelling
+    #                  finalize: the thread that collects the dropped store ("loop" or "caller");
+    #                  fork: how the child ends ("exit" at once, "sleep", "hold" until released)
+    delay: int = 0  # cancel: loop yields (or microseconds of timeout) before cancelling;
+    #                 fork "sleep": milliseconds the child sleeps
     commit: bool = True  # reopen: close with or without a commit
     chunk_rows: int = 0  # put: rows per inner chunk of the sharded layout (0: one file per chunk)
     shard_rows: int = 0  # put: rows per shard file (0: the store's default)
@@ -114,6 +119,9 @@ class Op:
             what = f"close(commit={self.commit}) and reopen"
         elif k == "finalize":
             what = f"drop without close, collect on the {self.style} thread, reopen"
+        elif k == "fork":
+            ends = {"exit": "exits at once", "hold": "lives until released"}.get(self.style, f"sleeps {self.delay} ms")
+            what = f"fork a child that {ends}"
         else:
             what = k
         return f"{who}: {what}"
@@ -224,6 +232,10 @@ def _actor_op(rng: random.Random, actor: int, is_async: bool, all_keys: list[str
                 device="device" in feats and rng.random() < 0.3, wait=rng.random() < 0.5)
     elif r < 0.86 and "concurrent_commit" in feats:
         op = Op("commit", actor)
+    elif r < 0.89 and "fork" in feats and rng.random() < 0.4:
+        # drawn only with the feature, so programs without it stay what their seeds gave before
+        style = rng.choice(("exit", "sleep", "hold"))
+        op = Op("fork", actor, style=style, delay=rng.choice((1, 5, 30)) if style == "sleep" else 0)
     elif r < 0.89:
         op = Op("mark_step", actor)
     else:
@@ -308,6 +320,9 @@ def generate(seed: int, features: tuple[str, ...] | None = None, max_phases: int
         # drawn only with the feature, so programs without it stay what their seeds gave before
         if "finalize" in feats and rng.random() < 0.3:
             barriers.append(Op("finalize", style=rng.choice(("loop", "caller"))))
+        if any(op.kind == "fork" for op in ops) and not any(b.kind == "reopen" for b in barriers):
+            # the point of a fork: the parent closes and reopens its store while the child lives
+            barriers.insert(0, Op("reopen", commit=rng.random() < 0.6))
         phases.append(Phase(tuple(ops), tuple(barriers), _faults(rng, feats)))
     if "cross_reads" in feats:
         # a racing read reaches the disk only for chunks evicted from RAM: keep the budget tight

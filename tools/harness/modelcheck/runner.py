@@ -169,6 +169,9 @@ class Runner:
         #: the program's later puts, deletes, commits and reopens, it must never change
         self._loan: tuple[torch.Tensor, torch.Tensor, str] | None = None
         self._loan_lock = threading.Lock()
+        #: forked children still to reap: (pid, the pipe end whose close releases a "hold" child)
+        self._children: list[tuple[int, int]] = []
+        self._children_lock = threading.Lock()
 
     # ------------------------------------------------------------ plumbing
 
@@ -285,6 +288,14 @@ class Runner:
 
             return _Call(lambda a: a.prefetch(list(op.keys), to=to, wait=op.wait),
                          lambda s: s.prefetch(list(op.keys), to=to, wait=op.wait), finish_prefetch)
+        if kind == "fork":
+            def fork_sync(_: Any) -> None:
+                self._fork(op)
+
+            async def fork_async(_: Any) -> None:
+                self._fork(op)  # on the store's loop thread, as a callback of an async caller would
+            return _Call(fork_async, fork_sync, lambda r, e, c: None if e is None else
+                         self._unexpected(op, e))
         if kind == "mark_step":
             async def step(a: tierstore.AsyncStore) -> None:
                 a.mark_step()
@@ -459,6 +470,57 @@ class Runner:
             kw = {"index": index}
         return _Call(lambda a: a.get(op.key, device=dev, **kw),
                      lambda s: s.get(op.key, device=dev, **kw), finish_read)
+
+    def _fork(self, op: Op) -> None:
+        """Fork a child that only waits and exits (``op.style``); the parent goes on at once.
+
+        The child runs the interpreter's fork handlers (the store's close its copies of the lock
+        descriptors) and then no Python code of the program: a fork of a threaded process may
+        leave locks held by threads that do not exist in the child.
+        """
+        go_r, go_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(go_w)  # else its own copy would keep the pipe open: no end of file
+                if op.style == "sleep":
+                    time.sleep(op.delay / 1000)
+                elif op.style == "hold":
+                    os.read(go_r, 1)  # until the parent closes its end (or dies)
+            finally:
+                os._exit(0)
+        os.close(go_r)
+        with self._children_lock:
+            self._children.append((pid, go_w))
+
+    def _children_alive(self) -> bool:
+        """Whether a forked child may still run (one not yet reaped)."""
+        with self._children_lock:
+            return bool(self._children)
+
+    def _reap_children(self) -> None:
+        """Release every forked child and wait for it to exit; one still running after the deadline hangs."""
+        with self._children_lock:
+            children, self._children = self._children, []
+        deadline = time.monotonic() + 2 * self.op_timeout_s
+        for _, go_w in children:
+            os.close(go_w)
+        stuck = []
+        for pid, _ in children:
+            while True:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    if not os.WIFEXITED(status) or os.WEXITSTATUS(status) != 0:
+                        self.model.fail(f"a forked child ended with status {status:#x}")
+                    break
+                if time.monotonic() > deadline:
+                    os.kill(pid, 9)
+                    os.waitpid(pid, 0)
+                    stuck.append(pid)
+                    break
+                time.sleep(0.001)
+        if stuck:
+            self.model.fail(f"forked children {stuck} were stuck in their fork handlers")
 
     def _hold_loan(self, t: torch.Tensor, what: str) -> None:
         """Keep ``t`` (lent) instead of the previous loan, which is checked as it is dropped."""
@@ -655,6 +717,14 @@ class Runner:
     def _reopen(self, commit: bool) -> None:
         assert self.store is not None
         self._check_budgets(self.store)
+        if self._children_alive():
+            # a child closed its copy of the LOCK descriptor without unlocking: still ours
+            try:
+                tierstore.open(self.path, mode="a", device="cpu", **self.p.config).close(commit=False)
+            except tierstore.StoreLocked:
+                pass
+            else:
+                self.model.fail("a second writer opened the store while ours was open (after a fork)")
         if commit:
             head = self.model.head_alternative()
         try:
@@ -760,6 +830,7 @@ class Runner:
                     break
                 for op in ph.barriers:
                     self._bounded(lambda op=op: self._barrier(op), op.describe())
+                self._reap_children()
                 if self.model.failures:
                     break
             if not self.model.failures:
@@ -773,6 +844,7 @@ class Runner:
         except Exception as e:  # noqa: BLE001  (the harness reports, whatever broke)
             self.model.fail(f"harness or barrier error {type(e).__name__}: {e}")
         finally:
+            self._reap_children()
             if self.store is not None:
                 try:
                     self.store.close(commit=False)
