@@ -32,6 +32,21 @@ class CorruptData(StoreError):
         self.chunk = chunk
 
 
+class LoanWritten(StoreError):
+    """Bytes the store holds changed after they were stored: a lent tensor was written into.
+
+    Raised by the write (and so the ``commit``) that needed them: a tensor lent by
+    ``get(copy=False)``, or handed over by ``put(copy=False)``, is read-only. Nothing is
+    written under the wrong checksum and the last commit is intact; a ``put`` or ``delete`` of
+    the key replaces the changed bytes. ``key`` and ``chunk`` name them.
+    """
+
+    def __init__(self, message: str, key: str | None = None, chunk: int | None = None):
+        super().__init__(message)
+        self.key = key
+        self.chunk = chunk
+
+
 class FormatVersionError(StoreError):
     """The store was written by a newer format version than this code reads."""
 

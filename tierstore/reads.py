@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import torch
 
+from tierstore.checksums import checksum
 from tierstore.chunks import decode_into, pieces_by_chunk
 from tierstore.config import StoreConfig
 from tierstore.errors import BudgetError, InvalidIndex, StoreError
@@ -30,7 +31,7 @@ from tierstore.stats import Counters, Tracer
 from tierstore.tiers.device import DeviceWindow
 from tierstore.tiers.disk import DiskTier, Inner
 from tierstore.tiers.host import HostTier
-from tierstore.updates import BorrowTable
+from tierstore.updates import CRC_PENDING, BorrowTable
 
 T = TypeVar("T")
 
@@ -63,6 +64,7 @@ class ReadPath:
     _shard_maps: dict[int, ShardMap]
     _borrows: BorrowTable
     _plan: AccessPlan | None
+    _late_crcs: dict[tuple[int, int], int]
     config: StoreConfig
 
     if TYPE_CHECKING:  # helpers AsyncStore defines
@@ -86,6 +88,12 @@ class ReadPath:
         the window's). Anything else (a compressed codec, several chunks, a sharded tensor, an
         ``index``, a CUDA window, a host read) is read the usual way, a copy; ``stats()["lent"]``
         counts the tensors lent.
+
+        Writing into a lent tensor is not prevented, but it never reaches the disk: the write of
+        a chunk checks its crc32c, so if the chunk was not yet on disk, the ``commit()`` that
+        needs it raises ``LoanWritten`` naming the key (the last commit stays intact; a ``put``
+        or ``delete`` of the key clears it); if it was, the disk keeps the stored bytes, and gets
+        may return the changed ones only until the RAM copy is evicted.
         """
         rec = self._record(key)
         if self._borrows.updating(key):  # a reader never sees half an update
@@ -143,6 +151,14 @@ class ReadPath:
             self.stats_counters.hits_host += 1
         elif self._host.fits(rec.chunks[0][0]):
             await self._load_chunk(rec, 0, cache="yes")  # cached unless the RAM tier cannot
+        if rec.chunks[0][1] == CRC_PENDING and cid not in self._late_crcs:
+            # changed in place and not yet written: its crc is taken before the first loan, so
+            # that the write-back finds a write into a loan as it does for a put's chunk
+            data = self._host.lookup(cid)
+            if data is not None:
+                crc = await self._run_cpu(data.numel(), checksum, [data.numpy()])
+                if self._host.holds(cid):  # not dropped meanwhile (its generation replaced)
+                    self._late_crcs.setdefault(cid, crc)
         raw = self._host.lend(cid)
         if raw is None:
             return None  # not cached (the RAM tier could not take it): the caller copies

@@ -45,6 +45,7 @@ from tierstore.errors import (
     CorruptData,
     DiskError,
     KeyNotFound,
+    LoanWritten,
     ReadOnlyError,
     StoreClosed,
     StoreError,
@@ -76,6 +77,8 @@ from tierstore.tiers.host import HostTier
 from tierstore.updates import CRC_PENDING, BorrowTable, Update, split_flat
 
 T = TypeVar("T")
+#: a chunk a write must find unchanged: (key, chunk index, its payload, the crc32c it was stored with)
+ChunkCheck = tuple[str, int, Any, int]
 _INLINE_BYTES = 1 << 20  # smaller chunks are coded on the loop thread: a thread hop costs more
 _SYNC_ON_WRITE_BYTES = 1 << 20  # larger files are fdatasync'd by the write-behind itself
 _SHARD_GROUP_BYTES = 4 << 20  # inner chunks of a shard written with one pwritev
@@ -101,6 +104,19 @@ async def _settle(tasks: list[asyncio.Task[Any]]) -> list[BaseException]:
         await asyncio.wait(tasks)
     return [asyncio.CancelledError() if t.cancelled() else t.exception() for t in tasks
             if t.cancelled() or t.exception() is not None]  # type: ignore[misc]
+
+
+def _write_checked(disk: DiskTier, path: str, at: int | None, parts: list[Any], sync: bool,
+                   checks: Sequence[ChunkCheck]) -> None:
+    """``disk.write_at``, then each checked chunk's crc32c again: LoanWritten if its bytes changed."""
+    disk.write_at(path, at, parts, sync)
+    for key, i, data, crc in checks:
+        if checksum([data]) != crc:
+            raise LoanWritten(
+                f"chunk {i} of {key!r} changed after it was stored: a tensor lent by get(copy=False) "
+                f"(or given to put(copy=False)) was written into. The changed bytes are not "
+                f"committed and the last commit is intact; put or delete {key!r} to go on",
+                key=key, chunk=i)
 
 
 class AsyncStore(ReadPath):
@@ -454,7 +470,8 @@ class AsyncStore(ReadPath):
 
         ``copy=False`` hands the tensor's memory over instead (raw codecs): its full chunks
         become RAM-tier buffers, counted in the budget, written from where they lie and served
-        to reads until evicted. The caller must not modify the tensor afterwards; it saves a
+        to reads until evicted. The caller must not modify the tensor afterwards (bytes changed
+        before they are written make the commit raise ``LoanWritten``, see ``get``); it saves a
         copy into fresh pages, which costs more than the disk write on some machines. A view of
         a larger tensor, an edge chunk and a pinned RAM tier (CUDA) are copied all the same.
 
@@ -843,6 +860,7 @@ class AsyncStore(ReadPath):
         at = 0  # offset of the next inner chunk in its shard file
         group_parts: list[Any] = []
         group_cids: list[tuple[int, int]] = []
+        group_checks: list[ChunkCheck] = []
         group_bytes = group_at = 0
         flush_bytes = min(_SHARD_GROUP_BYTES, (self._host.budget or _SHARD_GROUP_BYTES) // 4)
         raw_bytes = grid.chunk_numel * t.element_size()
@@ -882,6 +900,7 @@ class AsyncStore(ReadPath):
                 group_at = at
             group_parts += [payload.numpy(), crc_trailer(crc)]
             group_cids.append((gen, i))
+            group_checks.append((key, i, payload.numpy(), crc))
             group_bytes += payload.numel() + TRAILER
             at += payload.numel() + TRAILER
             last = i % shard == shard - 1 or i == grid.n_chunks - 1  # the shard's last inner chunk
@@ -890,8 +909,8 @@ class AsyncStore(ReadPath):
             if last or group_bytes >= flush_bytes or len(group_parts) >= IOV_MAX - 2:
                 path = self._disk.shard_path(key, gen, grid, i // shard)
                 tasks.append(self._spawn(self._write_file(
-                    path, group_parts, group_cids, after=dirs, at=group_at)))
-                group_parts, group_cids, group_bytes = [], [], 0
+                    path, group_parts, group_cids, after=dirs, at=group_at, checks=group_checks)))
+                group_parts, group_cids, group_checks, group_bytes = [], [], [], 0
             if last:
                 at = 0
         rec = GenRecord.new(key, gen, t.dtype, codec, grid, chunks, shard)
@@ -910,10 +929,16 @@ class AsyncStore(ReadPath):
         await self._write_file(path, [meta], None, after=after)
 
     async def _write_chunk(self, key: str, gen: int, grid: ChunkGrid, i: int, payload: torch.Tensor,
-                           crc: int, after: asyncio.Task[None] | None = None) -> None:
-        """Write chunk ``i``'s file (payload + crc32c trailer); the RAM copy turns clean."""
+                           crc: int, after: asyncio.Task[None] | None = None, check: bool = True) -> None:
+        """Write chunk ``i``'s file (payload + crc32c trailer); the RAM copy turns clean.
+
+        ``check``: the payload must still match ``crc`` (``_write_file``); False only where the
+        crc was just taken from these very bytes.
+        """
         path = self._disk.chunk_path(key, gen, grid, i)
-        await self._write_file(path, [payload.numpy(), crc_trailer(crc)], (gen, i), after=after)
+        data = payload.numpy()
+        await self._write_file(path, [data, crc_trailer(crc)], (gen, i), after=after,
+                               checks=[(key, i, data, crc)] if check else ())
 
     async def _make_dirs(self, key: str, gen: int, grid: ChunkGrid, shard: int = 0) -> None:
         # each new folder (and the one holding it) enters the ledger as it is made
@@ -922,8 +947,16 @@ class AsyncStore(ReadPath):
 
     async def _write_file(self, path: str, parts: list[Any],
                           cid: tuple[int, int] | list[tuple[int, int]] | None,
-                          after: asyncio.Task[None] | None = None, at: int | None = None) -> None:
-        """Write ``parts`` as the file ``path`` (``at``: at that offset of a shard file)."""
+                          after: asyncio.Task[None] | None = None, at: int | None = None,
+                          checks: Sequence[ChunkCheck] = ()) -> None:
+        """Write ``parts`` as the file ``path`` (``at``: at that offset of a shard file).
+
+        ``checks``: chunks among ``parts`` whose crc32c was taken when they were stored. Each
+        is checked once written, on the same io thread: bytes changed since (a tensor lent by
+        ``get(copy=False)`` or given to ``put(copy=False)`` written into) fail the write with
+        ``LoanWritten``, so the chunk stays dirty and no commit publishes the file. Checked
+        after the write, not before, so a change made while ``pwritev`` ran is caught too.
+        """
         if after is not None:
             await after  # the generation's folders; their failure fails this write too
         assert self._write_sem is not None
@@ -931,7 +964,7 @@ class AsyncStore(ReadPath):
         sync = n >= _SYNC_ON_WRITE_BYTES
         async with self._write_sem:
             t0 = time.perf_counter()
-            await self._run_io(self._disk.write_at, path, at, parts, sync)
+            await self._run_io(_write_checked, self._disk, path, at, parts, sync, checks)
         if not sync:
             self._ledger.written(path)
         self.stats_counters.bytes_written_disk += n
@@ -1195,20 +1228,24 @@ class AsyncStore(ReadPath):
             payload = self._host.dirty_payload((rec.generation, i))
             if payload is None:
                 continue
+            check = True
             if crc == CRC_PENDING:  # changed in place: its crc is taken now, once (no update can
                 # change it any more: a new update moves it to a new generation, after this write)
                 cid = (rec.generation, i)
                 if cid not in self._late_crcs:
                     self._late_crcs[cid] = await self._run_cpu(payload.numel(), checksum,
                                                                [payload.numpy()])
+                    check = False  # just taken from these bytes: a second pass would find them equal
                 crc = self._late_crcs[cid]
             if smap is None:
-                coros.append(self._write_chunk(rec.key, rec.generation, rec.grid, i, payload, crc))
+                coros.append(self._write_chunk(rec.key, rec.generation, rec.grid, i, payload, crc,
+                                               check=check))
             else:
                 s, at = smap.location(i)
                 path = self._disk.shard_path(rec.key, rec.generation, rec.grid, s)
-                coros.append(self._write_file(path, [payload.numpy(), crc_trailer(crc)],
-                                              (rec.generation, i), at=at))
+                data = payload.numpy()
+                coros.append(self._write_file(path, [data, crc_trailer(crc)], (rec.generation, i), at=at,
+                                              checks=[(rec.key, i, data, crc)] if check else ()))
         if smap is not None:
             for s in range(shard_count(rec.grid, rec.shard)):
                 members = shard_members(rec.grid, rec.shard, s)

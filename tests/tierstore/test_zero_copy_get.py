@@ -229,3 +229,98 @@ def test_a_cancelled_get_lends_nothing_that_stays_held(tmp_path) -> None:
             await s.close()
 
     asyncio.run(run())
+
+
+def test_writing_into_a_loan_of_a_dirty_chunk_is_refused_at_commit(tmp_path) -> None:
+    # A write into a get(copy=False) loan of a dirty chunk, then a write-behind that failed once
+    # and was retried by the commit: the retry wrote the changed bytes under the crc32c taken at
+    # put time, the commit succeeded, and every read of it after reopen raised CorruptData.
+    from tierstore.faults import FaultPlan
+
+    path = tmp_path / "s"
+    old, new, other = torch.arange(N, dtype=torch.float32), torch.full((N,), 3.0), torch.ones(10)
+    with _open(path) as s:
+        s.put("w", old)
+        s.put("other", other)
+        v1 = s.commit()
+        s.async_store.inject_faults(FaultPlan(fail_sites={"write"}))  # the write-behind fails
+        s.put("w", new)
+        s.put("other", other * 2)
+        lent = s.get("w", device="cpu", copy=False)
+        lent[:5] = -1.0  # forbidden: the loan is read-only
+        s.async_store.inject_faults(None)
+        with pytest.raises(tierstore.LoanWritten, match="'w'.*get\\(copy=False\\)") as err:
+            s.commit()  # retries the failed writes: the changed chunk is refused
+        assert err.value.key == "w" and err.value.chunk == 0
+        assert s.versions()[-1].version == v1  # nothing was published
+        del lent
+        s.put("w", new)  # a put of the key replaces the changed bytes
+        v2 = s.commit()
+    with tierstore.open(path, "r", version=v1, chunk_bytes=CHUNK) as r:
+        assert not r.verify()
+        assert torch.equal(r.get("w"), old) and torch.equal(r.get("other"), other)
+    with tierstore.open(path, "r", chunk_bytes=CHUNK) as r:
+        assert r.versions()[-1].version == v2 and not r.verify()
+        assert torch.equal(r.get("w"), new) and torch.equal(r.get("other"), other * 2)
+
+
+def test_a_refused_chunk_leaves_the_last_commit_readable_and_delete_clears_it(tmp_path) -> None:
+    from tierstore.faults import FaultPlan
+
+    path = tmp_path / "s"
+    with _open(path) as s:
+        s.put("keep", torch.ones(N))
+        v1 = s.commit()
+        s.async_store.inject_faults(FaultPlan(fail_sites={"write"}))
+        s.put("w", torch.zeros(N))
+        s.get("w", device="cpu", copy=False).add_(1.0)  # written into, and dropped at once
+        s.async_store.inject_faults(None)
+        with pytest.raises(tierstore.LoanWritten):
+            s.close()  # close commits: refused the same way, and the store is closed all the same
+    with tierstore.open(path, "a", ram_budget="1MiB", chunk_bytes=CHUNK, device="cpu") as s:
+        assert s.versions()[-1].version == v1 and s.keys() == ["keep"]
+        s.async_store.inject_faults(FaultPlan(fail_sites={"write"}))
+        s.put("w", torch.zeros(N))
+        s.get("w", device="cpu", copy=False).add_(1.0)
+        s.async_store.inject_faults(None)
+        s.delete("w")  # the changed bytes go with the key
+        s.commit()
+    with tierstore.open(path, "r", chunk_bytes=CHUNK) as r:
+        assert r.keys() == ["keep"] and not r.verify()
+
+
+def test_writing_into_a_loan_of_a_clean_chunk_never_reaches_the_disk(tmp_path) -> None:
+    path = tmp_path / "s"
+    x = torch.arange(N, dtype=torch.float32)
+    with _open(path) as s:
+        s.put("w", x)
+        s.commit()  # on disk: the RAM copy is clean
+        s.get("w", device="cpu", copy=False)[:3] = 7.0  # forbidden, and harmless to what is stored
+        s.put("z", torch.ones(4))
+        s.commit()
+    with tierstore.open(path, "r", chunk_bytes=CHUNK) as r:
+        assert torch.equal(r.get("w"), x) and not r.verify()
+
+
+def test_writing_into_a_loan_of_a_chunk_changed_in_place_is_refused_too(tmp_path) -> None:
+    # an update's chunk takes its crc32c when it is written: a loan taken before that write
+    # must not make the write-back take the crc of bytes changed through the loan
+    path = tmp_path / "s"
+    x = torch.arange(N, dtype=torch.float32)
+    with _open(path) as s:
+        s.put("w", x)
+        v1 = s.commit()
+        with s.update("w") as t:
+            t.mul_(2)
+        lent = s.get("w", device="cpu", copy=False)
+        assert torch.equal(lent, x * 2)
+        lent[0] = 123.0
+        with pytest.raises(tierstore.LoanWritten, match="'w'"):
+            s.commit()
+        del lent
+        s.put("w", x * 3)
+        s.commit()
+    with tierstore.open(path, "r", version=v1, chunk_bytes=CHUNK) as r:
+        assert torch.equal(r.get("w"), x)
+    with tierstore.open(path, "r", chunk_bytes=CHUNK) as r:
+        assert torch.equal(r.get("w"), x * 3) and not r.verify()
