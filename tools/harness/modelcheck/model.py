@@ -60,6 +60,10 @@ class Model:
         self._commits: dict[int, tuple[dict[str, set[int]], dict[str, set[int]]]] = {}
         self._next_token = 0
         self.failures: list[str] = []
+        #: values made by writing into a loan (``loan_written``): id -> (key, the ids it was lent as).
+        #: Reads of the key may see one or the other; commits capture only the lent ones
+        self.scribbled: dict[int, tuple[str, frozenset[int]]] = {}
+        self._next_scribble = 1 << 30  # above every id a program draws
 
     # ------------------------------------------------------------ values
 
@@ -104,10 +108,11 @@ class Model:
         ``unknown`` or ``none``, as ``write_end``; done, the head is one of ``vids``."""
         with self.lock:
             self._writing[key] -= vids
+            # a restored generation may be one whose RAM copy was written into through a loan
             if outcome == "done":
-                self.head[key] = set(vids)
+                self.head[key] = self._with_scribbles(key, set(vids))
             elif outcome == "unknown":
-                self.head[key] |= vids
+                self.head[key] |= self._with_scribbles(key, vids)
 
     def version_values(self, key: str, version: int) -> set[int]:
         """The ids ``key`` may have in ``version`` (every value it ever had when the model does not know it)."""
@@ -117,12 +122,40 @@ class Model:
                 return set(self.ever[key])
             return set().union(*(a.get(key, frozenset({ABSENT})) for a in alts))
 
+    def loan_written(self, key: str, lent_as: set[int], changed: torch.Tensor) -> int:
+        """The owner wrote into a loan of ``key`` whose value was one of ``lent_as``; the id of the changed value."""
+        with self.lock:
+            vid = self._next_scribble
+            self._next_scribble += 1
+            self._tensors[vid] = changed
+            self.scribbled[vid] = (key, frozenset(lent_as))
+            self.head[key].add(vid)
+            self.ever[key].add(vid)
+            return vid
+
+    def scribbled_keys(self) -> set[str]:
+        """Keys written into through a loan since the last reopen."""
+        with self.lock:
+            return {k for k, _ in self.scribbled.values()}
+
+    def _unscribbled(self, vids: set[int]) -> set[int]:
+        """``vids`` with each changed value replaced by the values it was lent as: what disk and commits hold."""
+        out = set()
+        for v in vids:
+            s = self.scribbled.get(v)
+            out |= set(s[1]) if s is not None else {v}
+        return out
+
+    def _with_scribbles(self, key: str, vids: set[int]) -> set[int]:
+        """``vids`` plus each changed value of ``key`` lent as one of them (the RAM copy may still hold it)."""
+        return vids | {w for w, (k, lent) in self.scribbled.items() if k == key and vids & lent}
+
     def commit_begin(self) -> int:
         """A commit starts: it captures each key's head now or any write overlapping it."""
         with self.lock:
             token = self._next_token
             self._next_token += 1
-            snap = {k: set(v) | self._writing[k] for k, v in self.head.items()}
+            snap = {k: self._unscribbled(set(v) | self._writing[k]) for k, v in self.head.items()}
             self._commits[token] = (snap, {k: set() for k in self.head})
             return token
 
@@ -130,7 +163,7 @@ class Model:
         """The commit ended: ``done`` with its version, or ``unknown`` (failed or cancelled)."""
         with self.lock:
             snap, accum = self._commits.pop(token)
-            alt = {k: frozenset(snap[k] | accum[k]) for k in snap}
+            alt = {k: frozenset(snap[k] | self._unscribbled(accum[k])) for k in snap}
             if outcome == "done":
                 assert version is not None
                 self.versions[version] = [alt]
@@ -144,7 +177,7 @@ class Model:
     def head_alternative(self) -> Alternative:
         """The head as one alternative (what a commit with nothing racing captures)."""
         with self.lock:
-            return {k: frozenset(v) for k, v in self.head.items()}
+            return {k: frozenset(self._unscribbled(v)) for k, v in self.head.items()}
 
     # ------------------------------------------------------------ reads
 
@@ -156,7 +189,12 @@ class Model:
     def narrow(self, key: str, vids: set[int]) -> None:
         """A read by the key's owner saw one of ``vids``: the others did not happen."""
         with self.lock:
-            self.head[key] &= vids
+            # a changed value and the one it was lent as stay together: reads may alternate
+            # between the RAM copy and the window's (or the disk's once it is evicted)
+            head = self.head[key]
+            kept = head & vids
+            kept |= self._unscribbled(kept) & head
+            self.head[key] = kept | (self._with_scribbles(key, kept) & head)
 
     def identify(self, key: str, observed: Any) -> set[int]:
         """The ids among every value ``key`` ever had that equal ``observed`` (tensor or error)."""
@@ -173,6 +211,7 @@ class Model:
     def reset(self, state: dict[str, set[int]], last: int) -> None:
         """After a reopen: the head and the committed state are what was read back."""
         with self.lock:
+            self.scribbled.clear()  # a reopen reads what the disk holds: no loan survives it
             self.head = {k: set(v) for k, v in state.items()}
             alt = {k: frozenset(v) for k, v in state.items()}
             self.committed = [alt]

@@ -36,6 +36,10 @@ FEATURES = (
     "finalize",  # barriers that drop the store in a reference cycle without close, collect it
     #              (on its own loop thread or the caller's) and reopen
     "restore",  # restore(): an own key's head made a random retained version's generation again
+    "loan_writes",  # an actor writes into a tensor get(..., copy=False) returned (forbidden): the
+    #                 commit that needs the changed bytes may be refused (LoanWritten naming the
+    #                 key), reads of the key may see them until it is put, deleted or reopened,
+    #                 and no commit or reopen ever holds them
     "fork",  # an actor forks a child while the writer is open (the child exits at once, after a
     #          short sleep, or lives until the phase's barriers are done); the phase then ends
     #          with a close and reopen, run while a child may still live
@@ -63,7 +67,8 @@ INDEX_KINDS = ("list", "tensor", "tensor2d", "int", "npint", "tensor0d", "nparra
 class Op:
     """One call of a program; which fields matter depends on ``kind``."""
 
-    kind: str  # put get slice gather delete restore commit prefetch cancel mark_step fork | barrier kinds
+    kind: str  # put get slice gather delete restore commit prefetch cancel mark_step fork loan_write
+    #            | barrier kinds
     actor: int = -1  # -1: a barrier, run alone after the phase's actors
     key: str = ""
     vid: int = 0  # put: the value's id (the tensor is a function of it)
@@ -106,6 +111,8 @@ class Op:
             what = f"restore {self.key} to retained version #{self.pick} (modulo their count)"
         elif k in ("get", "delete"):
             what = f"{k} {self.key}" + (" device" if self.device else "") + ("" if self.copy else " copy=False")
+        elif k == "loan_write":
+            what = f"get {self.key} device copy=False, then write into the loan"
         elif k == "slice":
             what = f"get {self.key}[{self.lo}:{self.hi}]"
         elif k == "gather":
@@ -218,6 +225,9 @@ def _actor_op(rng: random.Random, actor: int, is_async: bool, all_keys: list[str
         copy = not ("adopt" in feats and rng.random() < 0.4)
         op = Op("put", actor, key, vid=vids[0], shape=shape, dtype=rng.choice(DTYPES),
                 codec=rng.choice(CODECS), chunk_rows=chunk_rows, shard_rows=shard_rows, copy=copy)
+    elif r < 0.62 and "loan_writes" in feats and rng.random() < 0.25:
+        # drawn only with the feature, so programs without it stay what their seeds gave before
+        op = Op("loan_write", actor, key)
     elif r < 0.62:
         other = "cross_reads" in feats and rng.random() < 0.4
         op = _read_op(rng, actor, rng.choice(all_keys) if other else key, feats)

@@ -35,6 +35,7 @@ from tierstore.errors import (
     DiskError,
     InvalidIndex,
     KeyNotFound,
+    LoanWritten,
     StoreError,
     StoreNotFound,
 )
@@ -195,8 +196,15 @@ class Runner:
             self.loop_errors.append(msg)
 
     def _allowed(self, exc: BaseException) -> bool:
-        """An error a call may raise while injected faults (or their aftermath) are live."""
-        return self.faulty and isinstance(exc, (DiskError, BudgetError))
+        """An error a call may raise while injected faults (or their aftermath) are live, or
+        after a write into a loan: the commit that needs the changed bytes is refused (naming
+        the key), and until then they hold their RAM, which the budget may miss."""
+        if self.faulty and isinstance(exc, (DiskError, BudgetError)):
+            return True
+        if isinstance(exc, LoanWritten):
+            return exc.key in self.model.scribbled_keys()
+        return (isinstance(exc, BudgetError) and bool(self.model.scribbled_keys())
+                and "changed after it was stored" in str(exc))
 
     def _unexpected(self, op: Op, exc: BaseException) -> None:
         self.model.fail(f"{op.describe()} raised {type(exc).__name__}: {exc}")
@@ -228,6 +236,9 @@ class Runner:
                          lambda s: s.put(op.key, t.clone(), op.codec, **layout), finish_put)
         if kind in READ_KINDS:
             return self._prepare_read(op)
+        if kind == "loan_write":
+            return self._prepare_read(dataclasses.replace(op, kind="get", device=True, copy=False),
+                                      scribble=True)
         if kind == "update":
             return self._prepare_update(op)
         if kind == "delete":
@@ -426,7 +437,7 @@ class Runner:
 
         return _Call(run_async, run_sync, finish)
 
-    def _prepare_read(self, op: Op) -> _Call:
+    def _prepare_read(self, op: Op, scribble: bool = False) -> _Call:
         m = self.model
         owner = op.key.startswith(f"a{op.actor}/")
         cands = m.candidates(op.key, racing=not owner)
@@ -459,7 +470,10 @@ class Runner:
             if owner:
                 m.narrow(op.key, ok)
             if not op.copy and isinstance(res, torch.Tensor):
-                self._hold_loan(res, op.describe())
+                if scribble:
+                    self._scribble(op.key, res, ok - {ABSENT})
+                else:
+                    self._hold_loan(res, op.describe())
 
         dev = "cpu" if op.device else None
         if op.kind == "get":
@@ -521,6 +535,19 @@ class Runner:
                 time.sleep(0.001)
         if stuck:
             self.model.fail(f"forked children {stuck} were stuck in their fork handlers")
+
+    def _scribble(self, key: str, t: torch.Tensor, lent_as: set[int]) -> None:
+        """Write into ``t``, which ``get(key, copy=False)`` returned (forbidden; lent or not)."""
+        if t.numel() == 0 or not lent_as:
+            return
+        changed = t.clone()
+        changed.reshape(-1)[0] = 1500  # exact in every dtype used, and no value of the model's
+        self.model.loan_written(key, lent_as, changed)  # before the write: racing readers may see it
+        with self._loan_lock:
+            t.reshape(-1)[0] = 1500
+            held = self._loan
+            if held is not None and held[0].untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                self._loan = (held[0], held[0].clone(), held[2])  # the held loan is the one written into
 
     def _hold_loan(self, t: torch.Tensor, what: str) -> None:
         """Keep ``t`` (lent) instead of the previous loan, which is checked as it is dropped."""
@@ -701,7 +728,8 @@ class Runner:
                 v = self.store.commit()
             except StoreError as e:
                 self.model.commit_end(token, "unknown")
-                self.model.fail(f"barrier commit (no faults) raised {type(e).__name__}: {e}")
+                if not self._allowed(e):
+                    self.model.fail(f"barrier commit (no faults) raised {type(e).__name__}: {e}")
                 return
             self.model.commit_end(token, "done", v)
             self.faulty = False
@@ -730,7 +758,8 @@ class Runner:
         try:
             self.store.close(commit=commit)
         except StoreError as e:
-            self.model.fail(f"close(commit={commit}) (no faults) raised {type(e).__name__}: {e}")
+            if not self._allowed(e):
+                self.model.fail(f"close(commit={commit}) (no faults) raised {type(e).__name__}: {e}")
         else:
             if commit:
                 with self.model.lock:
@@ -866,9 +895,14 @@ class Runner:
         self._check_loan(self._loan)
         head = self.model.head_alternative()
         s, self.store = self.store, None
-        s.close(commit=True)
-        with self.model.lock:
-            self.model.committed = [head]
+        try:
+            s.close(commit=True)
+        except LoanWritten as e:  # refused: the store closed without the commit
+            if not self._allowed(e):
+                raise
+        else:
+            with self.model.lock:
+                self.model.committed = [head]
         with self._open("r") as r:
             faults = r.verify()
             if faults:
