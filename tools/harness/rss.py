@@ -77,6 +77,9 @@ class RssLog:
         per = (r1 - r0) / max(1, i1 - i0)
         print(f"{what}: rss after warm-up (iteration {i0}) {r0 / _MIB:.1f} MiB; at the end (iteration {i1}) "
               f"{r1 / _MIB:.1f} MiB; peak after warm-up {peak / _MIB:.1f} MiB", flush=True)
+        step = max(1, len(self.samples) // 20)  # the curve, thinned to about 20 points
+        curve = " ".join(f"{i}:{r / _MIB:.1f}" for i, r in self.samples[::step])
+        print(f"rss curve (iteration:MiB): {curve}", flush=True)
         ok = growth <= max_growth_mb
         print(f"growth {growth:+.2f} MiB ({per:+.1f} B an iteration) over {i1 - i0} iterations: "
               + ("flat" if ok else f"GROWS (limit {max_growth_mb} MiB)"), flush=True)
