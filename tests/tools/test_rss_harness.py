@@ -21,7 +21,7 @@ def test_store_mode_runs_every_kind_of_get(capsys: pytest.CaptureFixture[str]) -
     out = capsys.readouterr().out
     before, after, growth = _figures(out)
     assert code == 0 and "flat" in out and "store 400 gets" in out
-    assert before > 10 and after > 10 and growth == pytest.approx(after - before, abs=0.06)
+    assert before > 10 and after > 10 and growth == pytest.approx(after - before, abs=0.11)  # each figure is rounded
 
 
 def test_trainer_mode_trains_and_samples(capsys: pytest.CaptureFixture[str]) -> None:
