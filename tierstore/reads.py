@@ -1,7 +1,8 @@
 """The read path of ``AsyncStore``: get, dim-0 slices and gathers, chunk loads, prefetch.
 
-A mixin so that ``store.py`` keeps the lifecycle, the write path and commits; it uses the
-store's tiers, counters and helpers, declared below, and holds no state of its own.
+A base class of ``AsyncStore`` (``store.py`` keeps the lifecycle, puts and commits;
+``tierstore.writes`` the write path); it uses the store's tiers, counters and helpers, declared
+below, and holds no state of its own.
 Every read pins the generation it reads (``PinTable``) for as long as anything of it runs,
 including disk reads and cache fills that outlive a cancelled caller: a put, delete or commit
 that supersedes the generation meanwhile defers its deletion until the pin goes.
@@ -31,6 +32,7 @@ from tierstore.tiers.device import DeviceWindow
 from tierstore.tiers.disk import DiskTier, Inner
 from tierstore.tiers.host import HostTier
 from tierstore.updates import BorrowTable
+from tierstore.writes import chunk_crc
 
 T = TypeVar("T")
 
@@ -62,12 +64,12 @@ class ReadPath:
     _read_sem: asyncio.Semaphore | None
     _shard_maps: dict[int, ShardMap]
     _borrows: BorrowTable
+    _late_crcs: dict[tuple[int, int], int]
     _plan: AccessPlan | None
     config: StoreConfig
 
     if TYPE_CHECKING:  # helpers AsyncStore defines
         def _record(self, key: str) -> GenRecord: ...
-        def _chunk_crc(self, rec: GenRecord, i: int) -> int: ...
         def _check_open(self) -> None: ...
         def _spawn(self, coro: Any) -> asyncio.Task[Any]: ...
         async def _run_io(self, fn: Callable[..., T], *args: Any) -> T: ...
@@ -578,7 +580,7 @@ class ReadPath:
                            dest: torch.Tensor) -> None:
         """Read a raw chunk straight into the destination (no RAM-tier copy)."""
         lo, hi, off = piece
-        n, crc = rec.chunks[i][0], self._chunk_crc(rec, i)
+        n, crc = rec.chunks[i][0], chunk_crc(rec, i, self._late_crcs)
         item = dest.element_size()
         dest_bytes = dest.view(torch.uint8) if dest.dtype != torch.uint8 else dest
         head = np.empty(lo * item, np.uint8)
@@ -632,7 +634,7 @@ class ReadPath:
 
     async def _disk_read(self, rec: GenRecord, i: int, cache: str) -> torch.Tensor:
         cid = (rec.generation, i)
-        n, crc = rec.chunks[i][0], self._chunk_crc(rec, i)
+        n, crc = rec.chunks[i][0], chunk_crc(rec, i, self._late_crcs)
         buf: torch.Tensor | None = None
         if cache == "yes":
             try:
