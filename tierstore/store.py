@@ -21,9 +21,10 @@ task is done, so when the cancellation arrives the version either exists (in mem
 or does not.
 
 This module keeps the lifecycle (open, close), puts, deletes, restores, metadata and commits; the
-read path is ``tierstore.reads`` (a base class), the write path ``tierstore.writes``, in-place
-updates ``tierstore.updates`` and deletion ``tierstore.retirement`` (functions of the store:
-they run on its loop thread and use its state).
+read path is ``tierstore.reads`` (a base class), and functions of the store, which run on its
+loop thread and use its state, hold the rest: ``tierstore.opening`` (folders, lock, catalog,
+head), ``tierstore.writes`` (the write path), ``tierstore.updates`` (in-place updates) and
+``tierstore.retirement`` (deletion).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -57,14 +57,15 @@ from tierstore.errors import (
 from tierstore.faults import FaultPlan
 from tierstore.keys import validate_key
 from tierstore.layout import ChunkGrid
-from tierstore.leases import LEASE_DIR, PinTable, ReaderLease
-from tierstore.locks import HeldLock, writer_lock
+from tierstore.leases import PinTable, ReaderLease
+from tierstore.locks import HeldLock
 from tierstore.mapped import MappedGather
+from tierstore.opening import load_head, open_files
 from tierstore.plan import AccessPlan
 from tierstore.prefetch import AccessPredictor
 from tierstore.reads import ReadPath
 from tierstore.records import Commit, GenRecord, TensorInfo
-from tierstore.retirement import collect, delete_orphans, on_unpinned, retire_soon
+from tierstore.retirement import collect, on_unpinned, retire_soon
 from tierstore.settle import finish_despite_cancel, settle
 from tierstore.shards import ShardMap, plan_sharded
 from tierstore.stats import Counters, Tracer
@@ -84,8 +85,6 @@ from tierstore.writes import (
 
 T = TypeVar("T")
 _INLINE_BYTES = 1 << 20  # smaller chunks are coded on the loop thread: a thread hop costs more
-_STORE_ENTRIES = {"LOCK", "catalog", "data", LEASE_DIR}
-_OPEN_RETRIES = 5  # a reader retries its open when retention drops its version meanwhile
 
 
 class AsyncStore(ReadPath):
@@ -166,7 +165,7 @@ class AsyncStore(ReadPath):
 
         try:
             await asyncio.shield(opening)
-            self._load_head(version)
+            load_head(self, version)
         except BaseException:
             if opening.done():
                 give_up()
@@ -176,98 +175,8 @@ class AsyncStore(ReadPath):
         return self
 
     def _open_files(self) -> None:
-        root = self.path
-        is_store = True
-        if self.readonly:
-            if not os.path.isdir(os.path.join(root, "catalog")):
-                raise StoreNotFound(f"no tierstore at {root}")
-        else:
-            if not os.path.isdir(root):
-                os.makedirs(root)
-                self._ledger.created(root)
-            self._writer_lock = writer_lock(root)  # a forked child closes its copy (tierstore.locks)
-            is_store = os.path.exists(os.path.join(root, "catalog", "data.mdb"))
-            if not is_store:
-                self._refuse_foreign(root)
-            if self.mode == "w":
-                for sub in ("catalog", "data", LEASE_DIR):
-                    shutil.rmtree(os.path.join(root, sub), ignore_errors=True)
-            for sub in ("data", "catalog"):
-                if not os.path.isdir(os.path.join(root, sub)):
-                    os.makedirs(os.path.join(root, sub))
-                    self._ledger.created(os.path.join(root, sub))
-            os.makedirs(os.path.join(root, LEASE_DIR), exist_ok=True)  # readers need not create it
-        self._catalog = Catalog(os.path.join(root, "catalog"), create=not self.readonly,
-                                readonly=self.readonly)
-        if not self.readonly and (self.mode == "w" or not is_store):
-            self._ledger.written(os.path.join(root, "catalog"))  # the entries of the new LMDB files
-
-    def _refuse_foreign(self, root: str) -> None:
-        """Refuse to create a store over a folder holding things no store wrote (mode "w" or "a")."""
-        foreign = sorted(set(os.listdir(root)) - _STORE_ENTRIES) if self.mode == "w" else []
-        for sub in ("data", "catalog"):
-            p = os.path.join(root, sub)
-            if os.path.exists(p) and (not os.path.isdir(p) or os.listdir(p)):
-                foreign.append(f"{sub}/")  # an empty data/ is what a crash during creation leaves
-        if foreign:
-            what = "wipe" if self.mode == "w" else "create a store in"
-            raise StoreError(f"mode={self.mode!r} refuses to {what} {root}: it is not a tierstore "
-                             f"(no catalog) but holds {foreign[:5]}; pick an empty folder")
-
-    def _load_head(self, version: int | None) -> None:
-        assert self._catalog is not None
-        if self.readonly:
-            self._load_leased_head(version)
-            return
-        self._commits = self._catalog.commits()
-        head = self._commits[-1] if self._commits else None
-        gens = head.generations if head is not None else {}
-        recs = self._catalog.records(self._catalog.generation_ids())
-        self._records = dict(recs)
-        self._gen_keys = {g: r.key for g, r in recs.items()}
-        delete_orphans(self)
-        self._head = {k: recs[g] for k, g in gens.items()}
-        self._committed = {g for c in self._commits for g in c.generations.values()}
-        known = [*recs, *(g for _, g in self._disk.scan_generations())]
-        self._next_gen = max(known, default=0) + 1
-
-    def _load_leased_head(self, version: int | None) -> None:
-        """A reader's open: load a version, lease its generations, check they were not dropped.
-
-        The writer drops a version's records in its catalog transaction and reads the leases
-        after it: a lease written before that transaction is honoured, and a version dropped
-        before our check is seen as missing records here, and the open retries. After this the
-        reader needs nothing from the catalog and lets go of it.
-        """
-        assert self._catalog is not None
-        for attempt in range(_OPEN_RETRIES):
-            lease = None
-            try:
-                commits = self._catalog.commits()
-                head = self._catalog.commit(version) if version is not None else (
-                    commits[-1] if commits else None)
-                gens = dict(head.generations) if head is not None else {}
-                recs = self._catalog.records(gens.values())
-                if head is not None:
-                    lease = ReaderLease.acquire(self.path, head.version, list(gens.values()))
-                self._catalog.records(gens.values())  # still there: our lease came in time
-                if version is not None:
-                    self._catalog.commit(version)
-            except (CorruptData, StoreNotFound):
-                # dropped by the writer between our reads (or really missing: the last try says)
-                if lease is not None:
-                    lease.release()
-                if version is not None or attempt == _OPEN_RETRIES - 1:
-                    raise
-                continue
-            self._lease = lease
-            self._commits = commits
-            self._head = {k: recs[g] for k, g in gens.items()}
-            self._committed = {g for c in commits for g in c.generations.values()} | set(gens.values())
-            self._catalog.close()
-            self._catalog = None
-            return
-        raise StoreError(f"the store at {self.path} changes faster than a reader can open it")
+        # a method, so that a test can make the io thread's part of an open slow
+        open_files(self)
 
     def _release_files(self) -> None:
         self._disk.open_files.close()
