@@ -14,6 +14,9 @@ from tierstore.errors import CorruptData, StoreError
 from tierstore.keys import validate_key
 from tierstore.layout import ChunkGrid
 
+#: crc32c of a chunk an in-place update changed, until it is written (computed there, once)
+CRC_PENDING = -1
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GenRecord:

@@ -17,20 +17,31 @@ put, delete or update of that key waits for the release, and a commit waits for 
 to end: a reader never sees half an update, and a commit never publishes one. The chunks of an
 in-place loan are flagged ``updating`` in the RAM tier: neither evicted nor written back.
 Everything here is owned by the store's event loop thread.
+
+The update path itself (``begin_update``, ``end_update``, the plan and its look-ahead) is plain
+functions of the store rather than a collaborator object: it uses most of the store's private
+state (head, RAM tier, borrows, pins, write tasks, generation counter, commit lock) and its read
+and put paths. ``AsyncStore.update``, ``begin_update(s)``, ``end_update(s)`` and ``plan`` call it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from tierstore.records import GenRecord
+from tierstore.keys import validate_key
+from tierstore.plan import AccessPlan
+from tierstore.records import CRC_PENDING, GenRecord
+from tierstore.retirement import forget_in_memory, retire_soon
+from tierstore.settle import finish_despite_cancel, settle
+from tierstore.writes import start_write_back
 
-#: crc32c of a chunk an in-place update changed, until it is written (computed there, once)
-CRC_PENDING = -1
-
+if TYPE_CHECKING:
+    from tierstore.store import AsyncStore
 
 class BorrowTable:
     """Keys held by a writer (a put, a delete or an update) and events their waiters wait on.
@@ -129,3 +140,221 @@ def split_flat(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
         out.append(flat[at : at + n])
         at += n
     return out
+
+
+async def begin_update(store: AsyncStore, key: str, chunked: bool) -> Update:
+    """Hold ``key`` for an update and lend its value: in place when it may be, else a scratch."""
+    store._check_writable()
+    validate_key(key)
+    store._record(key)  # KeyNotFound before waiting
+    if store._plan is not None and store._plan.touch(key):
+        plan_ahead(store)
+    await store._borrows.acquire(key, update=True)
+    try:
+        rec = store._record(key)
+        u = None
+        if in_place_ok(store, rec):
+            u = await begin_in_place(store, rec, chunked)
+        if u is None:
+            u = await begin_scratch(store, rec, chunked)
+    except BaseException:
+        store._borrows.release(key)
+        raise
+    store.stats_counters.updates += 1
+    return u
+
+
+async def end_update(store: AsyncStore, u: Update) -> None:
+    """End ``u``: its value becomes the head (at once, or encoded from the scratch in a task)."""
+    if u.done:
+        return
+    u.done = True
+    if u.new is not None and u.scratch is None:
+        await finish_update(store, u)  # no await inside: it cannot be cancelled halfway
+        return
+    task = store._spawn(finish_update(store, u))
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await finish_despite_cancel(task)  # the key is never left lent
+        raise
+
+
+def set_plan(store: AsyncStore, keys: Sequence[str] | None) -> None:
+    """Make ``keys`` the store's update order (``None``: forget it); the RAM tier ranks by it."""
+    if keys is None:
+        store._plan = None
+        store._host.rank = None
+        return
+    plan = AccessPlan(keys)
+    gen_keys = store._gen_keys
+
+    def rank(cid: tuple[int, int]) -> float:
+        return plan.distance(gen_keys.get(cid[0]))
+
+    store._plan = plan
+    store._host.rank = rank
+
+
+def plan_ahead(store: AsyncStore) -> None:
+    """Along the plan: start writing back what is needed last, and read ahead what comes next."""
+    plan, budget = store._plan, store._host.budget
+    if plan is None or budget is None or store._closing:
+        return
+    # one key ahead (at least a chunk): enough to overlap its read with this update, and
+    # every byte read ahead is a byte of state that cannot stay (more reads a cycle)
+    nxt = store._head.get(next(plan.upcoming()))
+    ahead = min(budget // 8, max(nxt.stored_nbytes if nxt is not None else 0,
+                                 store.config.chunk_bytes or 0, 1))
+    if store._host.used + ahead > budget and store._host.reclaimable() < ahead:
+        start_write_back(store)
+    want: list[str] = []
+    seen = 0
+    for key in plan.upcoming():
+        rec = store._head.get(key)
+        if rec is None or key in store._borrows:
+            continue
+        seen += rec.stored_nbytes
+        if seen > ahead and want:
+            break
+        if not all(store._host.holds((rec.generation, i)) for i in range(rec.grid.n_chunks)):
+            want.append(key)
+    if want:
+        store._prefetch_keys(want, "host")
+
+
+def in_place_ok(store: AsyncStore, rec: GenRecord) -> bool:
+    """Whether ``rec`` can be lent where it lives (raw, not sharded, half the budget at most)."""
+    budget = store._host.budget
+    return (rec.codec_obj.raw_layout and not rec.shard and rec.nbytes > 0
+            and (budget is None or rec.stored_nbytes <= budget // 2))
+
+
+async def begin_in_place(store: AsyncStore, rec: GenRecord, chunked: bool) -> Update | None:
+    """Lend ``rec``'s RAM-tier buffers as a new head generation; None if they will not stay in RAM."""
+    g, n = rec.generation, rec.grid.n_chunks
+    assert store._commit_lock is not None
+    # a write in flight reads the buffers about to change: let it end (put's write-behind)
+    await settle(list(store._writes.get(g, [])))
+    dtype = rec.decoded_dtype
+    for _attempt in range(3):
+        missing = [i for i in range(n) if not store._host.holds((g, i))]
+        if missing:  # loaded holding nothing of ours: a wait for room here cannot be for us
+            store._pins.pin(g)
+            try:
+                await asyncio.gather(*(store._load_chunk(rec, i, cache="yes") for i in missing))
+            finally:
+                store._pins.unpin(g)
+        # copy on write where someone reads the old bytes: a loan, or a read in flight (new
+        # readers of this key wait for us, so this set only shrinks from here)
+        readers = store._pins.pinned(g)
+        need = {i: rec.chunks[i][0] for i in range(n) if readers or store._host.lent((g, i))}
+        if not chunked and n > 1:
+            need[-1] = rec.nbytes  # the scratch one tensor of several chunks is lent in
+        bufs: dict[int, torch.Tensor] = {}
+        try:
+            for i, nbytes in need.items():
+                # never waited for: memory held here while waiting could be what the wait needs
+                buf = store._host.try_alloc(nbytes)
+                if buf is None:
+                    return None  # no room beside the chunks: through a scratch instead
+                bufs[i] = buf
+            async with store._commit_lock:  # the head is a commit's while it runs
+                # no await from here on: the loan starts whole or not at all
+                if all(store._host.holds((g, i)) for i in range(n)):
+                    scratch_buf = bufs.pop(-1, None)
+                    u = lend_in_place(store, rec, bufs, scratch_buf, chunked, dtype)
+                    bufs = {}
+                    return u
+        finally:
+            for buf in bufs.values():
+                store._host.recycle(buf)
+        # chunks evicted meanwhile (a full budget): load them again
+    return None
+
+
+def lend_in_place(store: AsyncStore, rec: GenRecord, cow: dict[int, torch.Tensor],
+                   scratch_buf: torch.Tensor | None, chunked: bool, dtype: torch.dtype) -> Update:
+    """The no-await part of ``begin_in_place``: move (or copy) the chunks, swap the head."""
+    g, n = rec.generation, rec.grid.n_chunks
+    new_gen = store._next_gen
+    store._next_gen += 1
+    parts = []
+    for i in range(n):
+        if i in cow:
+            buf = cow[i]
+            src = store._host.lookup((g, i))
+            assert src is not None
+            buf.copy_(src)
+            store._host.insert_for_update((new_gen, i), buf)
+            store.stats_counters.bytes_copied_on_write += buf.numel()
+        else:
+            buf = store._host.take_for_update((g, i), (new_gen, i))
+        parts.append(buf[: rec.grid.span(i)[1] * dtype.itemsize].view(dtype))
+    new = dataclasses.replace(rec, generation=new_gen,
+                              chunks=tuple((nb, CRC_PENDING) for nb, _ in rec.chunks))
+    store._gen_keys[new_gen] = rec.key
+    store._head[rec.key] = new
+    store._borrows.mark_in_place(rec.key)
+    if g not in store._committed:
+        if g not in store._writes and not store._pins.pinned(g) and g not in store._deferred:
+            # never written (an earlier update's, still dirty in RAM), now moved on: nothing
+            # on disk to delete, so no task and no io thread for it
+            forget_in_memory(store, g, n)
+        else:
+            retire_soon(store, rec.key, g, n)
+    u = Update(rec.key, rec, new, parts, chunked=chunked)
+    if scratch_buf is not None:
+        u.scratch_buf = scratch_buf
+        u.scratch = scratch_buf.view(dtype)
+        for piece, part in zip(split_flat(u.scratch, [p.numel() for p in parts]), parts, strict=True):
+            piece.copy_(part)
+    return u
+
+
+async def begin_scratch(store: AsyncStore, rec: GenRecord, chunked: bool) -> Update:
+    """Decode ``rec`` into a scratch buffer counted in the RAM budget (coded, sharded or large)."""
+    dtype = rec.decoded_dtype
+    nbytes = max(1, rec.nbytes)
+    # in the budget only where it leaves room for the encoded chunks it is turned into
+    budget = store._host.budget
+    buf = await store._host.alloc(nbytes) if budget is None or nbytes <= budget // 4 else None
+    scratch = (buf if buf is not None else torch.empty(nbytes, dtype=torch.uint8))[: rec.nbytes].view(dtype)
+    store._pins.pin(rec.generation)
+    try:
+        await store._fill(rec, [(0, scratch.numel(), 0)], scratch)
+    except BaseException:
+        if buf is not None:
+            store._host.recycle(buf)
+        raise
+    finally:
+        store._pins.unpin(rec.generation)
+    sizes = [rec.grid.span(i)[1] for i in range(rec.grid.n_chunks)]
+    return Update(rec.key, rec, None, split_flat(scratch, sizes), scratch=scratch,
+                  scratch_buf=buf, chunked=chunked)
+
+
+async def finish_update(store: AsyncStore, u: Update) -> None:
+    """Make ``u``'s value the head (in place: it is already) and give the key back."""
+    rec = u.old
+    try:
+        if u.new is not None:  # in place: the head is already the new generation
+            if u.scratch is not None:
+                for piece, part in zip(split_flat(u.scratch, [p.numel() for p in u.parts]),
+                                       u.parts, strict=True):
+                    part.copy_(piece)
+            for i in range(rec.grid.n_chunks):
+                store._host.end_update((u.new.generation, i))
+        else:
+            assert u.scratch is not None
+            store._finishing += 1
+            try:
+                await store._put_generation(rec.key, u.scratch.view(rec.shape), rec.codec_obj,
+                                            rec.grid, rec.shard, lazy=not rec.shard)
+            finally:
+                store._finishing -= 1
+    finally:
+        if u.scratch_buf is not None:
+            store._host.recycle(u.scratch_buf)
+        u.parts, u.scratch, u.scratch_buf = [], None, None
+        store._borrows.release(rec.key)

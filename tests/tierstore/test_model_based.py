@@ -2,7 +2,8 @@
 
 Each program drives one store from asyncio tasks and sync-facade threads (put, get, slice,
 gather, delete, commit, prefetch, cancel, close-and-reopen, read-only opens of retained
-versions, window gets with ``copy=False`` whose last loan is held and must never change) under
+versions, window gets with ``copy=False`` whose last loan is held and must never change, writes
+into such tensors, forks of the writer's process) under
 injected I/O faults, and compares every result with ``tools.harness.modelcheck``'s
 model; budgets are checked after every phase. A failure prints the seed and a shrunk program;
 ``python -m tools.harness.fuzz_store --seed S --programs 1`` replays it. Features that hit a defect

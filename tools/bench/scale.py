@@ -245,7 +245,7 @@ def child(spec: ChildSpec) -> None:
     _emit("imported", rss=memory.rss_bytes())
     timer = _Timer()
     # codec time: every encode (puts) and decode (gets), on whichever thread runs it
-    tierstore.store.encode_chunk = timer.wrap("codec", tierstore.store.encode_chunk)  # type: ignore[attr-defined]
+    tierstore.writes.encode_chunk = timer.wrap("codec", tierstore.writes.encode_chunk)  # type: ignore[attr-defined]
     tierstore.reads.decode_into = timer.wrap("codec", tierstore.reads.decode_into)  # type: ignore[attr-defined]
     # the training thread's time: forward/backward, and inside it the waits for weights
     E = eng_mod.StreamingEngine

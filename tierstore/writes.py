@@ -1,0 +1,371 @@
+"""The write path of ``AsyncStore``: a generation's chunks into the RAM tier, then to disk.
+
+Plain functions of the store rather than a collaborator object: they use most of its private
+state (the RAM tier, the disk tier, the head, the write tasks, the sync ledger, the io and cpu
+pools), all owned by the store's event loop thread, where every function here runs; only the
+blocking calls they hand to ``store._run_io``/``_run_cpu`` run on the ``tierstore-io`` and
+``tierstore-cpu`` threads.
+
+A put encodes its chunks into RAM-tier buffers (``write_generation``) and returns; the files are
+written behind it. ``store._writes`` lists, per generation, the write tasks in flight or done
+and not yet committed. Invariant: a dirty RAM chunk of a head generation is either being written
+by a task in ``store._writes`` or waits for ``start_write_back`` (the budget needs its room) or
+a commit (``drain_writes``) to write it; a chunk changed in place gets its crc32c when it is
+written or first lent (``CRC_PENDING``, ``store._late_crcs``).
+
+Every chunk write checks the crc32c of the bytes it wrote against the one taken when they were
+stored (``write_file``'s ``checks``): a write into a tensor lent by ``get(copy=False)`` (or
+given to ``put(copy=False)``) fails that write with ``LoanWritten``, so the chunk stays dirty
+and no commit publishes it. One crc32c pass per chunk written, several times faster than the
+write it follows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tierstore.chunks import encode_chunk
+from tierstore.codecs import Codec
+from tierstore.dtypes import as_bytes
+from tierstore.errors import BudgetError, LoanWritten, StoreError
+from tierstore.layout import ChunkGrid, zarr_metadata
+from tierstore.records import CRC_PENDING, GenRecord
+from tierstore.settle import settle
+from tierstore.shards import (
+    TRAILER,
+    shard_count,
+    shard_index,
+    shard_members,
+    sharded_zarr_metadata,
+)
+from tierstore.tiers.disk import IOV_MAX, checksum, crc_trailer
+from tierstore.tiers.host import HostTier
+
+if TYPE_CHECKING:
+    from tierstore.store import AsyncStore
+
+_SYNC_ON_WRITE_BYTES = 1 << 20  # larger files are fdatasync'd by the write-behind itself
+_SHARD_GROUP_BYTES = 4 << 20  # inner chunks of a shard written with one pwritev
+#: a chunk a write must find unchanged: (key, chunk index, its payload, the crc32c it was stored with)
+ChunkCheck = tuple[str, int, Any, int]
+
+
+def start_write_back(store: AsyncStore) -> bool:
+    """Start writing dirty head chunks nobody writes yet, least recently used first; True if any.
+
+    Write-behind: a dirty chunk is written when the RAM budget needs its room or a commit
+    needs it durable, not when it is made, so state that fits the budget costs no disk
+    traffic between commits. About 1/16 of the budget is queued at once, so that room
+    frees while more is written.
+    """
+    heads = {r.generation: r for r in store._head.values()}
+    target = max(1, (store._host.budget or 0) // 16)
+    queued = 0
+    for gen, _ in store._host.dirty_lru():
+        rec = heads.get(gen)
+        if rec is None or gen in store._writes:
+            continue  # written already or now, or not a head any more (its retirement drops it)
+        store._writes[gen] = [store._spawn(write_dirty(store, rec))]
+        queued += rec.stored_nbytes
+        if queued >= target:
+            break
+    return queued > 0
+
+
+async def write_dirty(store: AsyncStore, rec: GenRecord) -> None:
+    """Write every dirty chunk of ``rec`` (with its folders and metadata); raise the first failure."""
+    failures = await settle([store._spawn(c) for c in await rewrite(store, rec)])
+    if failures:
+        raise failures[0]
+
+
+def chunk_crc(rec: GenRecord, i: int, late_crcs: dict[tuple[int, int], int]) -> int:
+    """The crc32c of chunk ``i`` of ``rec``: in the record, or computed when it was written."""
+    crc = rec.chunks[i][1]
+    if crc != CRC_PENDING:
+        return crc
+    late = late_crcs.get((rec.generation, i))
+    if late is None:  # never written and no longer in RAM: the generation was dropped
+        raise StoreError(f"generation {rec.generation} of {rec.key!r} was replaced before this "
+                         "read reached it; read the key again")
+    return late
+
+
+def resolve_crcs(store: AsyncStore, rec: GenRecord) -> GenRecord:
+    """``rec`` with the crcs its chunks got when they were written (a commit publishes this)."""
+    if all(c != CRC_PENDING for _, c in rec.chunks):
+        return rec
+    return dataclasses.replace(rec, chunks=tuple(
+        (n, chunk_crc(rec, i, store._late_crcs)) for i, (n, _) in enumerate(rec.chunks)))
+
+
+def check_sharding(host: HostTier, key: str, t: torch.Tensor, chunk_rows: Any,
+                   shard_rows: Any) -> None:
+    """Reject bad ``chunk_rows``/``shard_rows`` naming the rule, before anything is written."""
+    if chunk_rows is None:
+        if shard_rows is not None:
+            raise StoreError(f"put({key!r}): shard_rows= needs chunk_rows= (rows per inner chunk)")
+        return
+    for name, v in (("chunk_rows", chunk_rows), ("shard_rows", shard_rows)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise StoreError(f"put({key!r}): {name} must be a positive int, got {v!r}")
+    if t.dim() == 0:
+        raise StoreError(f"put({key!r}, chunk_rows=...): a 0-d tensor has no rows to chunk")
+    if shard_rows is not None and shard_rows % chunk_rows:
+        raise StoreError(f"put({key!r}): shard_rows={shard_rows} must be a multiple of "
+                         f"chunk_rows={chunk_rows} (a shard holds whole inner chunks)")
+    inner = min(chunk_rows, max(1, t.shape[0])) * (t.numel() // max(1, t.shape[0])) * t.element_size()
+    if not host.fits(inner):
+        raise BudgetError(f"put({key!r}): an inner chunk of {chunk_rows} rows is {inner} B, more "
+                          f"than the RAM budget ({host.budget} B); lower chunk_rows")
+
+
+async def write_generation(store: AsyncStore, key: str, gen: int, t: torch.Tensor, codec: Codec,
+                           grid: ChunkGrid, shard: int = 0, adopt: bool = False,
+                           lazy: bool = False) -> GenRecord:
+    """Encode ``t`` into RAM-tier chunks of generation ``gen`` and start writing them; its record."""
+    # nothing on the put's own path touches the disk: folders and files are write-behind,
+    # started now, or (``lazy``, not sharded) when the budget or a commit needs them
+    assert not (lazy and (shard or adopt))
+    store._gen_keys[gen] = key
+    tasks: list[asyncio.Task[None]] = [] if lazy else store._writes.setdefault(gen, [])
+    dirs: asyncio.Task[None] | None = None
+
+    def start_writes() -> asyncio.Task[None]:
+        task = store._spawn(make_dirs(store, key, gen, grid, shard))
+        tasks.append(task)
+        tasks.append(store._spawn(write_meta(store, key, gen, grid, t.dtype, codec, after=task,
+                                             shard=shard)))
+        return task
+
+    if not lazy:
+        dirs = start_writes()
+
+    async def alloc(nbytes: int) -> torch.Tensor:
+        # a lazy generation is not a head yet, so the write-behind cannot free its room: once
+        # the budget is full it is written as it is made, like a put's
+        nonlocal lazy, dirs
+        if lazy:
+            buf = store._host.try_alloc(nbytes)
+            if buf is not None:
+                return buf
+            lazy = False
+            store._writes[gen] = tasks
+            dirs = start_writes()
+            for j, (_, crc) in enumerate(chunks):
+                payload = store._host.dirty_payload((gen, j))
+                if payload is not None:
+                    tasks.append(store._spawn(write_chunk(store, key, gen, grid, j, payload, crc,
+                                                          after=dirs)))
+        return await store._host.alloc(nbytes)
+    flat = t.reshape(-1)
+    chunks: list[tuple[int, int]] = []
+    at = 0  # offset of the next inner chunk in its shard file
+    group_parts: list[Any] = []
+    group_cids: list[tuple[int, int]] = []
+    group_checks: list[ChunkCheck] = []
+    group_bytes = group_at = 0
+    flush_bytes = min(_SHARD_GROUP_BYTES, (store._host.budget or _SHARD_GROUP_BYTES) // 4)
+    raw_bytes = grid.chunk_numel * t.element_size()
+    for i in range(grid.n_chunks):
+        start, valid = grid.span(i)
+        adopted = adopt and valid == grid.chunk_numel  # an edge chunk is padded: copied
+        if adopted:
+            await store._host.reserve(raw_bytes)
+            payload = as_bytes(flat[start : start + valid])
+            try:
+                crc = await store._run_cpu(raw_bytes, checksum, [payload.numpy()])
+            except BaseException:
+                store._host.release(payload)
+                raise
+        elif codec.raw_layout:
+            buf = await alloc(raw_bytes)
+            try:
+                payload, crc = await store._run_cpu(raw_bytes, encode_chunk, codec, flat, grid, i, buf)
+            except BaseException:
+                store._host.release(buf)
+                raise
+        else:
+            encoded, crc = await store._run_cpu(raw_bytes, encode_chunk, codec, flat, grid, i, None)
+            payload = await alloc(encoded.numel())
+            payload.copy_(encoded)  # into a buffer the RAM tier accounts for
+        store._host.insert((gen, i), payload, dirty=True, adopted=adopted)
+        chunks.append((payload.numel(), crc))
+        if not shard:
+            if not lazy:
+                tasks.append(store._spawn(write_chunk(store, key, gen, grid, i, payload, crc,
+                                                      after=dirs)))
+            continue
+        # a shard is written in groups of adjacent inner chunks, one pwritev each (a task
+        # per 4 KiB row cost more than the write); a group stays well under the budget,
+        # as its chunks are dirty until it is written
+        if not group_parts:
+            group_at = at
+        group_parts += [payload.numpy(), crc_trailer(crc)]
+        group_cids.append((gen, i))
+        group_checks.append((key, i, payload.numpy(), crc))
+        group_bytes += payload.numel() + TRAILER
+        at += payload.numel() + TRAILER
+        last = i % shard == shard - 1 or i == grid.n_chunks - 1  # the shard's last inner chunk
+        if last:  # the index follows the last inner chunk: same write
+            group_parts.append(shard_index([n for n, _ in chunks[i - i % shard :]], shard))
+        if last or group_bytes >= flush_bytes or len(group_parts) >= IOV_MAX - 2:
+            path = store._disk.shard_path(key, gen, grid, i // shard)
+            tasks.append(store._spawn(write_file(store, path, group_parts, group_cids,
+                                                 after=dirs, at=group_at, checks=group_checks)))
+            group_parts, group_cids, group_checks, group_bytes = [], [], [], 0
+        if last:
+            at = 0
+    rec = GenRecord.new(key, gen, t.dtype, codec, grid, chunks, shard)
+    return rec
+
+
+async def write_meta(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, dtype: torch.dtype,
+                     codec: Codec, after: asyncio.Task[None] | None = None,
+                     shard: int = 0) -> None:
+    """Write the generation's zarr.json."""
+    attrs = {"key": key, "generation": gen}
+    if shard:
+        meta = sharded_zarr_metadata(grid, shard, dtype, codec, attrs)
+    else:
+        meta = zarr_metadata(grid, dtype, codec, attrs)
+    path = os.path.join(store._disk.generation_dir(key, gen), "zarr.json")
+    await write_file(store, path, [meta], None, after=after)
+
+
+async def write_chunk(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, i: int,
+                      payload: torch.Tensor, crc: int,
+                      after: asyncio.Task[None] | None = None, check: bool = True) -> None:
+    """Write chunk ``i``'s file (payload + crc32c trailer); the RAM copy turns clean.
+
+    ``check``: the payload must still match ``crc`` (``write_file``); False only where the crc
+    was just taken from these very bytes.
+    """
+    path = store._disk.chunk_path(key, gen, grid, i)
+    data = payload.numpy()
+    await write_file(store, path, [data, crc_trailer(crc)], (gen, i), after=after,
+                     checks=[(key, i, data, crc)] if check else ())
+
+
+async def make_dirs(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, shard: int = 0) -> None:
+    """Make the generation's folders; each new one (and the one holding it) enters the ledger."""
+    await store._run_io(store._disk.make_dirs, key, gen, grid, range(grid.n_chunks), store._ledger,
+                        shard)
+
+
+def _write_checked(store: AsyncStore, path: str, at: int | None, parts: list[Any], sync: bool,
+                   checks: Sequence[ChunkCheck]) -> None:
+    """``write_at``, then each checked chunk's crc32c again: LoanWritten if its bytes changed (io thread)."""
+    store._disk.write_at(path, at, parts, sync)
+    for key, i, data, crc in checks:
+        if checksum([data]) != crc:
+            raise LoanWritten(
+                f"chunk {i} of {key!r} changed after it was stored: a tensor lent by get(copy=False) "
+                f"(or given to put(copy=False)) was written into. The changed bytes are not "
+                f"committed and the last commit is intact; put or delete {key!r} to go on",
+                key=key, chunk=i)
+
+
+async def write_file(store: AsyncStore, path: str, parts: list[Any],
+                     cid: tuple[int, int] | list[tuple[int, int]] | None,
+                     after: asyncio.Task[None] | None = None, at: int | None = None,
+                     checks: Sequence[ChunkCheck] = ()) -> None:
+    """Write ``parts`` as the file ``path`` (``at``: at that offset of a shard file).
+
+    ``checks``: chunks among ``parts`` whose crc32c was taken when they were stored; each is
+    checked once written, on the same io thread. Bytes changed since fail the write with
+    ``LoanWritten``, and the chunk stays dirty. Checked after the write, not before, so that a
+    change made while ``pwritev`` ran is caught too (the file is not published either way).
+    """
+    if after is not None:
+        await after  # the generation's folders; their failure fails this write too
+    assert store._write_sem is not None
+    n = sum(memoryview(p).nbytes for p in parts)
+    sync = n >= _SYNC_ON_WRITE_BYTES
+    async with store._write_sem:
+        t0 = time.perf_counter()
+        await store._run_io(_write_checked, store, path, at, parts, sync, checks)
+    if not sync:
+        store._ledger.written(path)
+    store.stats_counters.bytes_written_disk += n
+    for c in ([cid] if isinstance(cid, tuple) else cid or []):
+        store._host.mark_clean(c)  # the RAM copies turn clean
+    store.tracer.span("write", "disk", t0, time.perf_counter(), bytes=n)
+
+
+async def drain_writes(store: AsyncStore) -> None:
+    """Wait for every pending chunk write; retry failed ones once (e.g. after ENOSPC).
+
+    ``asyncio.wait`` on a snapshot, never ``gather``: cancelling a commit must not cancel
+    the write-behind (or retirements) it waits for (found by tools.harness.modelcheck).
+    """
+    if store._retiring:
+        await settle(list(store._retiring))
+    for gen in list(store._writes):
+        tasks = list(store._writes.get(gen, []))
+        if not await settle(tasks):
+            continue
+        rec = next((r for r in store._head.values() if r.generation == gen), None)
+        if rec is None:
+            continue  # superseded meanwhile: nothing to save
+        retry = store._writes[gen] = [store._spawn(t) for t in await rewrite(store, rec)]
+        failures = await settle(retry)
+        if failures:
+            raise failures[0]  # the first failure of the retry fails the commit
+
+
+async def rewrite(store: AsyncStore, rec: GenRecord) -> list[Any]:
+    """Write coroutines for every file of ``rec`` whose data is still dirty in RAM.
+
+    A sharded generation rewrites its dirty inner chunks in place and every shard index
+    (small, and a failed index write leaves no dirty chunk to say so).
+    """
+    await make_dirs(store, rec.key, rec.generation, rec.grid, rec.shard)
+    coros = [write_meta(store, rec.key, rec.generation, rec.grid, rec.torch_dtype, rec.codec_obj,
+                        shard=rec.shard)]
+    smap = store._shard_map(rec) if rec.shard else None
+    for i, (_, crc) in enumerate(rec.chunks):
+        payload = store._host.dirty_payload((rec.generation, i))
+        if payload is None:
+            continue
+        check = True
+        if crc == CRC_PENDING:  # changed in place: its crc is taken now, once (no update can
+            # change it any more: a new update moves it to a new generation, after this write)
+            cid = (rec.generation, i)
+            if cid not in store._late_crcs:
+                store._late_crcs[cid] = await store._run_cpu(payload.numel(), checksum,
+                                                             [payload.numpy()])
+                check = False  # just taken from these bytes: a second pass would find them equal
+            crc = store._late_crcs[cid]
+        if smap is None:
+            coros.append(write_chunk(store, rec.key, rec.generation, rec.grid, i, payload, crc,
+                                     check=check))
+        else:
+            s, at = smap.location(i)
+            path = store._disk.shard_path(rec.key, rec.generation, rec.grid, s)
+            data = payload.numpy()
+            coros.append(write_file(store, path, [data, crc_trailer(crc)], (rec.generation, i), at=at,
+                                    checks=[(rec.key, i, data, crc)] if check else ()))
+    if smap is not None:
+        for s in range(shard_count(rec.grid, rec.shard)):
+            members = shard_members(rec.grid, rec.shard, s)
+            index = shard_index([rec.chunks[i][0] for i in members], rec.shard)
+            path = store._disk.shard_path(rec.key, rec.generation, rec.grid, s)
+            coros.append(write_file(store, path, [index], None, at=int(smap.data_end[s])))
+    return coros
+
+
+async def fsync_all(store: AsyncStore) -> None:
+    """Sync every ledger path; they leave the ledger only once the sync succeeded."""
+    paths = store._ledger.pending()
+    if not paths:
+        return
+    await store._run_io(store._disk.sync_paths, paths)
+    store._ledger.synced(paths)
