@@ -492,19 +492,22 @@ class Runner:
         descriptors) and then no Python code of the program: a fork of a threaded process may
         leave locks held by threads that do not exist in the child.
         """
-        go_r, go_w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                os.close(go_w)  # else its own copy would keep the pipe open: no end of file
-                if op.style == "sleep":
-                    time.sleep(op.delay / 1000)
-                elif op.style == "hold":
-                    os.read(go_r, 1)  # until the parent closes its end (or dies)
-            finally:
-                os._exit(0)
-        os.close(go_r)
+        # one fork at a time, each child closing every write end it inherits: two actors forking
+        # at once gave each child the other's, and neither saw its end of file (a cycle)
         with self._children_lock:
+            go_r, go_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    for _, w in (*self._children, (0, go_w)):
+                        os.close(w)
+                    if op.style == "sleep":
+                        time.sleep(op.delay / 1000)
+                    elif op.style == "hold":
+                        os.read(go_r, 1)  # until the parent closes its end (or dies)
+                finally:
+                    os._exit(0)
+            os.close(go_r)
             self._children.append((pid, go_w))
 
     def _children_alive(self) -> bool:
@@ -534,7 +537,7 @@ class Runner:
                     break
                 time.sleep(0.001)
         if stuck:
-            self.model.fail(f"forked children {stuck} were stuck in their fork handlers")
+            self.model.fail(f"forked children {stuck} did not exit once released (stuck in a fork handler?)")
 
     def _scribble(self, key: str, t: torch.Tensor, lent_as: set[int]) -> None:
         """Write into ``t``, which ``get(key, copy=False)`` returned (forbidden; lent or not)."""
