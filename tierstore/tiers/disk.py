@@ -128,6 +128,13 @@ class SyncLedger:
         with self._lock:
             self._paths.add(path)
 
+    def forget_under(self, folder: str) -> None:
+        """``folder`` and everything in it were deleted: nothing there to sync any more."""
+        inside = folder.rstrip(os.sep) + os.sep
+        with self._lock:
+            gone = [p for p in self._paths if p == folder or p.startswith(inside)]
+            self._paths.difference_update(gone)
+
     def pending(self) -> list[str]:
         """Every path awaiting a sync, sorted."""
         with self._lock:
