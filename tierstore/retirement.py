@@ -63,9 +63,13 @@ async def collect(store: AsyncStore, gens: dict[int, tuple[str, int, bool]]) -> 
         forget_in_memory(store, g, n_chunks)
         if not on_disk:
             continue
-        await store._run_delete(store._disk.delete_generation, key, g)
-        # its unsynced files need no sync now; the folder holding it keeps its entry (if any)
-        store._ledger.forget_under(store._disk.generation_dir(key, g))
+        await store._run_delete(_delete_folder, store, key, g)
+
+
+def _delete_folder(store: AsyncStore, key: str, g: int) -> None:
+    """Delete generation ``g``'s folder, then the sync ledger's entries of deleted files."""
+    store._disk.delete_generation(key, g)
+    store._ledger.prune()
 
 
 def forget_in_memory(store: AsyncStore, g: int, n_chunks: int) -> None:

@@ -275,6 +275,9 @@ class AsyncStore(ReadPath):
         # in-flight reads do not count: one waiting for room cannot make room (a get of a
         # compressed tensor used to wait forever on a full disk because of its own read)
         if any(not t.done() for ts in self._writes.values() for t in ts):
+            # those may free nothing (a generation's folders, its zarr.json): dirty chunks
+            # nobody writes yet are the room that comes soonest
+            start_write_back(self)
             return None
         failed = [t.exception() for ts in self._writes.values() for t in ts
                   if t.done() and not t.cancelled() and t.exception() is not None]

@@ -61,3 +61,36 @@ def test_lazy_values_larger_than_the_budget_are_written_to_make_room(tmp_path) -
     with tierstore.open(tmp_path / "s", "r") as s:
         for k, v in values.items():
             assert torch.equal(s.get(k), v), k
+
+
+def test_the_sync_ledger_forgets_deleted_files_and_keeps_the_rest(tmp_path) -> None:
+    from tierstore.tiers.disk import SyncLedger
+
+    ledger = SyncLedger()
+    kept = tmp_path / "kept"
+    kept.write_bytes(b"x")
+    ledger.written(str(kept))
+    for i in range(20):
+        ledger.written(str(tmp_path / f"gone{i}"))  # never created: as if deleted since
+    ledger.prune(limit=100)
+    assert len(ledger) == 21  # under the limit: nothing checked
+    ledger.prune(limit=10)
+    assert ledger.pending() == [str(kept)]
+
+
+def test_write_backs_for_room_leave_no_growing_ledger(tmp_path) -> None:
+    # state rewritten every step under a tight budget: written back for room, superseded, deleted
+    with _open(tmp_path / "s", budget="512KiB") as s:
+        for i in range(6):
+            s.put(f"k{i}", torch.randn(4 * 16384))
+        s.commit()
+        ledger = s.async_store._ledger
+        for _ in range(250):
+            for i in range(6):
+                with s.update(f"k{i}") as t:
+                    t.add_(1.0)
+        assert s.stats()["bytes_written_disk"] > 0
+        assert len(ledger) < 4096 + 6 * 8  # pruned, not one entry per file ever written
+        s.commit()
+    with tierstore.open(tmp_path / "s", "r") as s:
+        assert s.verify() == []
