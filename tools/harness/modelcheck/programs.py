@@ -36,6 +36,7 @@ FEATURES = (
     "finalize",  # barriers that drop the store in a reference cycle without close, collect it
     #              (on its own loop thread or the caller's) and reopen
     "restore",  # restore(): an own key's head made a random retained version's generation again
+    "lazy",  # puts with lazy=True (written only when the budget or a commit needs them)
 )
 
 #: features that hit a known, unfixed store defect: their test variants are xfail(strict=False)
@@ -84,6 +85,7 @@ class Op:
     copy: bool = True  # put: False hands the tensor's memory over; get (device): False borrows
     chunked: bool = False  # update: lent as one flat view per chunk
     pick: int = 0  # restore: which retained version (modulo how many there are when it runs)
+    lazy: bool = False  # put: written only when the budget or a commit needs it
 
     def describe(self) -> str:
         """One line for a listing of the program."""
@@ -95,6 +97,8 @@ class Op:
                 what += f" chunk_rows={self.chunk_rows} shard_rows={self.shard_rows or None}"
             if not self.copy:
                 what += " copy=False"
+            if self.lazy:
+                what += " lazy"
         elif k == "update":
             what = f"update {self.key} -> v{self.vid}" + (" chunked" if self.chunked else "")
         elif k == "restore":
@@ -210,6 +214,8 @@ def _actor_op(rng: random.Random, actor: int, is_async: bool, all_keys: list[str
         copy = not ("adopt" in feats and rng.random() < 0.4)
         op = Op("put", actor, key, vid=vids[0], shape=shape, dtype=rng.choice(DTYPES),
                 codec=rng.choice(CODECS), chunk_rows=chunk_rows, shard_rows=shard_rows, copy=copy)
+        if "lazy" in feats and rng.random() < 0.5:  # drawn last: other seeds' programs unchanged
+            op = dataclasses.replace(op, lazy=True)
     elif r < 0.62:
         other = "cross_reads" in feats and rng.random() < 0.4
         op = _read_op(rng, actor, rng.choice(all_keys) if other else key, feats)
