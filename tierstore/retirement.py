@@ -1,7 +1,7 @@
 """How generations leave the store: retirement of uncommitted ones, collection of unreferenced ones.
 
 Plain functions of the store (its head, records, pins, deferred set and tiers, all owned by the
-event loop thread, where these run; folder deletions run on a ``tierstore-io`` thread).
+event loop thread, where these run; folder deletions run on the ``tierstore-delete`` thread).
 ``collect`` is the only path that deletes a generation (its RAM chunks, window copy, maps and
 folder). Invariant: a generation is deleted only once nothing references it (no head entry, no
 retained commit), no read of this process pins it (``PinTable``) and, if a commit ever named it,
@@ -59,8 +59,17 @@ async def collect(store: AsyncStore, gens: dict[int, tuple[str, int, bool]]) -> 
         if shared and (leased is None or g in leased):
             continue  # a reader (maybe in another process) reads it
         del store._deferred[g]
+        on_disk = g not in store._memory_only  # else never written: no folder to delete
         forget_in_memory(store, g, n_chunks)
-        await store._run_io(store._disk.delete_generation, key, g)
+        if not on_disk:
+            continue
+        await store._run_delete(_delete_folder, store, key, g)
+
+
+def _delete_folder(store: AsyncStore, key: str, g: int) -> None:
+    """Delete generation ``g``'s folder, then the sync ledger's entries of deleted files."""
+    store._disk.delete_generation(key, g)
+    store._ledger.prune()
 
 
 def forget_in_memory(store: AsyncStore, g: int, n_chunks: int) -> None:
@@ -68,6 +77,7 @@ def forget_in_memory(store: AsyncStore, g: int, n_chunks: int) -> None:
     for i in range(n_chunks):
         store._late_crcs.pop((g, i), None)
     store._gen_keys.pop(g, None)
+    store._memory_only.discard(g)
     store._host.drop_generation(g, n_chunks)
     store._window.forget(g)
     store._shard_maps.pop(g, None)

@@ -118,6 +118,9 @@ class AsyncStore(ReadPath):
         self._window.attach_staging(self._host)  # pinned copy buffers in the RAM budget (CUDA only)
         self._predictor = AccessPredictor(config.prefetch_ahead)
         self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierstore-io")
+        #: folder deletions of collected generations: never urgent, and an unlink of a large
+        #: file can block for milliseconds, so they never hold an io thread that a read waits for
+        self._deleter = ThreadPoolExecutor(1, thread_name_prefix="tierstore-delete")
         self._cpu = ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="tierstore-cpu")
         self._head: dict[str, GenRecord] = {}
         self._records: dict[int, GenRecord] = {}  # every generation with a catalog record
@@ -125,6 +128,9 @@ class AsyncStore(ReadPath):
         self._commits: list[Commit] = []
         self._next_gen = 1
         self._writes: dict[int, list[asyncio.Task[None]]] = {}
+        #: generations made here whose folders were never made (lazy puts, in-place updates):
+        #: collecting one deletes nothing on disk
+        self._memory_only: set[int] = set()
         self._retiring: set[asyncio.Task[None]] = set()
         self._reads: dict[tuple[int, int], asyncio.Task[torch.Tensor]] = {}
         self._shard_maps: dict[int, ShardMap] = {}  # offsets of sharded generations, built on use
@@ -161,6 +167,7 @@ class AsyncStore(ReadPath):
         def give_up(_f: Any = None) -> None:
             self._release_files()
             self._io.shutdown(wait=False)
+            self._deleter.shutdown(wait=False)
             self._cpu.shutdown(wait=False)
 
         try:
@@ -221,6 +228,7 @@ class AsyncStore(ReadPath):
             self._mapped.close()
             self._release_files()
             self._io.shutdown(wait=True)
+            self._deleter.shutdown(wait=True)
             self._cpu.shutdown(wait=True)
 
     def _has_changes(self) -> bool:
@@ -231,6 +239,9 @@ class AsyncStore(ReadPath):
 
     async def _run_io(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    async def _run_delete(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._deleter, fn, *args)
 
     async def _run_cpu(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
         if nbytes < _INLINE_BYTES:
@@ -264,6 +275,9 @@ class AsyncStore(ReadPath):
         # in-flight reads do not count: one waiting for room cannot make room (a get of a
         # compressed tensor used to wait forever on a full disk because of its own read)
         if any(not t.done() for ts in self._writes.values() for t in ts):
+            # those may free nothing (a generation's folders, its zarr.json): dirty chunks
+            # nobody writes yet are the room that comes soonest
+            start_write_back(self)
             return None
         failed = [t.exception() for ts in self._writes.values() for t in ts
                   if t.done() and not t.cancelled() and t.exception() is not None]
@@ -282,7 +296,7 @@ class AsyncStore(ReadPath):
 
     async def put(self, key: str, tensor: torch.Tensor, codec: str | dict[str, Any] | Codec = "raw",
                   *, chunk_rows: int | None = None, shard_rows: int | None = None,
-                  copy: bool = True) -> None:
+                  copy: bool = True, lazy: bool = False) -> None:
         """Store ``tensor`` under ``key`` as a new generation; returns once the bytes are copied.
 
         ``copy=False`` hands the tensor's memory over instead (raw codecs): its full chunks
@@ -296,6 +310,11 @@ class AsyncStore(ReadPath):
         dim-0 rows, so that a gather reads (and the RAM tier caches) only the inner chunks
         holding its rows; ``shard_rows`` (a multiple of it) sets the rows per shard file
         (default: about 64 MiB a file). Without them the tensor has one file per chunk.
+
+        ``lazy=True`` defers the write-behind: the chunks stay dirty in RAM until the budget
+        needs their room or a commit needs them durable, as an in-place update's do. A value
+        replaced or deleted before then (a gradient) never touches the disk: no folder, no
+        file, no deletion. Sharded tensors are written as they are put all the same.
         """
         self._check_writable()
         validate_key(key)
@@ -326,7 +345,8 @@ class AsyncStore(ReadPath):
                  and t.untyped_storage().nbytes() == t.numel() * t.element_size())
         await self._borrows.acquire(key)  # one writer per key: an update of it ends first
         try:
-            rec = await self._put_generation(key, t, codec_obj, grid, shard, adopt=adopt)
+            rec = await self._put_generation(key, t, codec_obj, grid, shard, adopt=adopt,
+                                             lazy=lazy and not shard)
         finally:
             self._borrows.release(key)
         self.stats_counters.puts += 1

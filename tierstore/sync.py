@@ -219,16 +219,19 @@ class Store:
         return self._a
 
     def put(self, key: str, tensor: torch.Tensor, codec: str | dict[str, Any] | Codec = "raw", *,
-            chunk_rows: int | None = None, shard_rows: int | None = None, copy: bool = True) -> None:
+            chunk_rows: int | None = None, shard_rows: int | None = None, copy: bool = True,
+            lazy: bool = False) -> None:
         """Store ``tensor`` under ``key``; returns once the bytes are copied.
 
         ``chunk_rows=`` stores a table sharded, in inner chunks of that many rows (gathers read
         only the inner chunks holding their rows); ``copy=False`` hands the tensor's memory to
-        the store instead of copying it (do not modify it afterwards); see ``AsyncStore.put``.
+        the store instead of copying it (do not modify it afterwards); ``lazy=True`` writes it
+        only when the budget or a commit needs it (a short-lived value never touches the disk);
+        see ``AsyncStore.put``.
         """
         self._refuse_held(key)
         self._running().run(self._a.put(key, tensor, codec, chunk_rows=chunk_rows,
-                                        shard_rows=shard_rows, copy=copy))
+                                        shard_rows=shard_rows, copy=copy, lazy=lazy))
 
     @contextlib.contextmanager
     def update(self, key: str, *, chunked: bool = False) -> Iterator[Any]:

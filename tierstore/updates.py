@@ -279,6 +279,7 @@ def lend_in_place(store: AsyncStore, rec: GenRecord, cow: dict[int, torch.Tensor
     g, n = rec.generation, rec.grid.n_chunks
     new_gen = store._next_gen
     store._next_gen += 1
+    store._memory_only.add(new_gen)  # written, if ever, by the write-behind (``rewrite``)
     parts = []
     for i in range(n):
         if i in cow:

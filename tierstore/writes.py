@@ -81,7 +81,9 @@ def start_write_back(store: AsyncStore) -> bool:
 
 async def write_dirty(store: AsyncStore, rec: GenRecord) -> None:
     """Write every dirty chunk of ``rec`` (with its folders and metadata); raise the first failure."""
-    failures = await settle([store._spawn(c) for c in await rewrite(store, rec)])
+    # made room for, not made durable: a commit syncs what is still the head by then, and
+    # state superseded first (most of a training step's) is deleted before any device write
+    failures = await settle([store._spawn(c) for c in await rewrite(store, rec, sync=False)])
     if failures:
         raise failures[0]
 
@@ -133,38 +135,51 @@ async def write_generation(store: AsyncStore, key: str, gen: int, t: torch.Tenso
     """Encode ``t`` into RAM-tier chunks of generation ``gen`` and start writing them; its record."""
     # nothing on the put's own path touches the disk: folders and files are write-behind,
     # started now, or (``lazy``, not sharded) when the budget or a commit needs them
-    assert not (lazy and (shard or adopt))
+    assert not (lazy and shard)
     store._gen_keys[gen] = key
     tasks: list[asyncio.Task[None]] = [] if lazy else store._writes.setdefault(gen, [])
     dirs: asyncio.Task[None] | None = None
 
     def start_writes() -> asyncio.Task[None]:
+        store._memory_only.discard(gen)  # now, not when the task starts: a collection may come first
         task = store._spawn(make_dirs(store, key, gen, grid, shard))
         tasks.append(task)
         tasks.append(store._spawn(write_meta(store, key, gen, grid, t.dtype, codec, after=task,
                                              shard=shard)))
         return task
 
-    if not lazy:
+    if lazy:
+        store._memory_only.add(gen)
+    else:
         dirs = start_writes()
 
-    async def alloc(nbytes: int) -> torch.Tensor:
+    def go_eager() -> None:
         # a lazy generation is not a head yet, so the write-behind cannot free its room: once
         # the budget is full it is written as it is made, like a put's
         nonlocal lazy, dirs
+        lazy = False
+        store._writes[gen] = tasks
+        dirs = start_writes()
+        for j, (_, crc) in enumerate(chunks):
+            payload = store._host.dirty_payload((gen, j))
+            if payload is not None:
+                tasks.append(store._spawn(write_chunk(store, key, gen, grid, j, payload, crc,
+                                                      after=dirs)))
+
+    async def alloc(nbytes: int) -> torch.Tensor:
         if lazy:
             buf = store._host.try_alloc(nbytes)
             if buf is not None:
                 return buf
-            lazy = False
-            store._writes[gen] = tasks
-            dirs = start_writes()
-            for j, (_, crc) in enumerate(chunks):
-                payload = store._host.dirty_payload((gen, j))
-                if payload is not None:
-                    tasks.append(store._spawn(write_chunk(store, key, gen, grid, j, payload, crc,
-                                                          after=dirs)))
+            go_eager()
         return await store._host.alloc(nbytes)
+
+    async def reserve(nbytes: int) -> None:
+        if lazy:
+            if store._host.try_reserve(nbytes):
+                return
+            go_eager()
+        await store._host.reserve(nbytes)
     flat = t.reshape(-1)
     chunks: list[tuple[int, int]] = []
     at = 0  # offset of the next inner chunk in its shard file
@@ -178,7 +193,7 @@ async def write_generation(store: AsyncStore, key: str, gen: int, t: torch.Tenso
         start, valid = grid.span(i)
         adopted = adopt and valid == grid.chunk_numel  # an edge chunk is padded: copied
         if adopted:
-            await store._host.reserve(raw_bytes)
+            await reserve(raw_bytes)
             payload = as_bytes(flat[start : start + valid])
             try:
                 crc = await store._run_cpu(raw_bytes, checksum, [payload.numpy()])
@@ -242,7 +257,8 @@ async def write_meta(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, dty
 
 async def write_chunk(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, i: int,
                       payload: torch.Tensor, crc: int,
-                      after: asyncio.Task[None] | None = None, check: bool = True) -> None:
+                      after: asyncio.Task[None] | None = None, sync: bool = True,
+                      check: bool = True) -> None:
     """Write chunk ``i``'s file (payload + crc32c trailer); the RAM copy turns clean.
 
     ``check``: the payload must still match ``crc`` (``write_file``); False only where the crc
@@ -250,12 +266,13 @@ async def write_chunk(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, i:
     """
     path = store._disk.chunk_path(key, gen, grid, i)
     data = payload.numpy()
-    await write_file(store, path, [data, crc_trailer(crc)], (gen, i), after=after,
+    await write_file(store, path, [data, crc_trailer(crc)], (gen, i), after=after, sync=sync,
                      checks=[(key, i, data, crc)] if check else ())
 
 
 async def make_dirs(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, shard: int = 0) -> None:
     """Make the generation's folders; each new one (and the one holding it) enters the ledger."""
+    store._memory_only.discard(gen)  # before: a failure midway may leave folders behind
     await store._run_io(store._disk.make_dirs, key, gen, grid, range(grid.n_chunks), store._ledger,
                         shard)
 
@@ -276,8 +293,11 @@ def _write_checked(store: AsyncStore, path: str, at: int | None, parts: list[Any
 async def write_file(store: AsyncStore, path: str, parts: list[Any],
                      cid: tuple[int, int] | list[tuple[int, int]] | None,
                      after: asyncio.Task[None] | None = None, at: int | None = None,
-                     checks: Sequence[ChunkCheck] = ()) -> None:
+                     sync: bool = True, checks: Sequence[ChunkCheck] = ()) -> None:
     """Write ``parts`` as the file ``path`` (``at``: at that offset of a shard file).
+
+    ``sync``: a large file is synced by the write itself (so a commit has less left to sync);
+    False leaves it to the commit's sync (the ledger).
 
     ``checks``: chunks among ``parts`` whose crc32c was taken when they were stored; each is
     checked once written, on the same io thread. Bytes changed since fail the write with
@@ -288,7 +308,7 @@ async def write_file(store: AsyncStore, path: str, parts: list[Any],
         await after  # the generation's folders; their failure fails this write too
     assert store._write_sem is not None
     n = sum(memoryview(p).nbytes for p in parts)
-    sync = n >= _SYNC_ON_WRITE_BYTES
+    sync = sync and n >= _SYNC_ON_WRITE_BYTES
     async with store._write_sem:
         t0 = time.perf_counter()
         await store._run_io(_write_checked, store, path, at, parts, sync, checks)
@@ -321,8 +341,8 @@ async def drain_writes(store: AsyncStore) -> None:
             raise failures[0]  # the first failure of the retry fails the commit
 
 
-async def rewrite(store: AsyncStore, rec: GenRecord) -> list[Any]:
-    """Write coroutines for every file of ``rec`` whose data is still dirty in RAM.
+async def rewrite(store: AsyncStore, rec: GenRecord, sync: bool = True) -> list[Any]:
+    """Write coroutines for every file of ``rec`` whose data is still dirty in RAM (``sync``: as ``write_file``).
 
     A sharded generation rewrites its dirty inner chunks in place and every shard index
     (small, and a failed index write leaves no dirty chunk to say so).
@@ -346,13 +366,13 @@ async def rewrite(store: AsyncStore, rec: GenRecord) -> list[Any]:
             crc = store._late_crcs[cid]
         if smap is None:
             coros.append(write_chunk(store, rec.key, rec.generation, rec.grid, i, payload, crc,
-                                     check=check))
+                                     sync=sync, check=check))
         else:
             s, at = smap.location(i)
             path = store._disk.shard_path(rec.key, rec.generation, rec.grid, s)
             data = payload.numpy()
             coros.append(write_file(store, path, [data, crc_trailer(crc)], (rec.generation, i), at=at,
-                                    checks=[(rec.key, i, data, crc)] if check else ()))
+                                    sync=sync, checks=[(rec.key, i, data, crc)] if check else ()))
     if smap is not None:
         for s in range(shard_count(rec.grid, rec.shard)):
             members = shard_members(rec.grid, rec.shard, s)

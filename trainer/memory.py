@@ -77,9 +77,11 @@ def reuse_freed_buffers() -> Iterator[None]:
     """While inside, freed buffers under 32 MiB stay in the heap for the next allocation of their size.
 
     For loops that free and allocate the same sizes over and over (generation streams every
-    layer's weights through the window for every token): with ``tune_malloc``'s settings each
-    one is a fresh mmap whose pages fault in at a fraction of copy speed (the dev VM: 0.25-0.5
-    GiB/s). On exit the settings are ``tune_malloc``'s again and the heap is trimmed. A no-op
+    layer's weights through the window for every token; a training step allocates the same
+    activations and gradients every step): with ``tune_malloc``'s settings each one is a fresh
+    mmap whose pages fault in at a fraction of copy speed (the dev VM: 0.25-0.5 GiB/s). The heap
+    then holds at most the loop's own working set (the plan's activations and gradients in
+    flight). On exit the settings are ``tune_malloc``'s again and the heap is trimmed. A no-op
     when ``tune_malloc`` was not applied (glibc's own dynamic threshold already reuses them).
     """
     lib = _glibc() if _tuned else None

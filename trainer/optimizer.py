@@ -165,13 +165,15 @@ class StoreAdamW:
         """Add one micro-batch's gradients to ``grad/<name>`` in place; returns the running sums.
 
         The sums returned are the store's own buffers only for the first micro-batch (the
-        caller's tensors, handed over); later ones are copies, read after the in-place add.
+        caller's tensors, handed over: read them, never write them); later ones are copies,
+        read after the in-place add. Gradients stay in RAM (counted in its budget) and reach
+        the disk only if the budget needs their room before the update consumes them.
         """
         out = {}
         for name, g in grads.items():
             with self.lock:
                 if first:
-                    self.store.put(GRAD + name, g, codec="raw")
+                    self.store.put(GRAD + name, g, codec="raw", copy=False, lazy=True)
                     out[name] = g
                     continue
                 with self.store.update(GRAD + name) as total:
@@ -231,18 +233,26 @@ class StoreAdamW:
 
     def _update(self, names: list[str], step: int, h: AdamWHyper, clip_coef: float | None,
                 grads: dict[str, torch.Tensor] | None) -> None:
-        """One AdamW step of ``names``, their weights and moments lent by the store together."""
-        gs = [(grads[n] if grads is not None else self.store.get(GRAD + n)).to(torch.float32) for n in names]
-        if clip_coef is not None:
+        """One AdamW step of ``names``, their weights and moments lent by the store together.
+
+        Gradients not passed in are lent writable with them (clipped in place, as torch clips
+        ``.grad``) and deleted after the step: consumed, they never need to reach the disk.
+        """
+        from_store = grads is None
+        gs: list[Any] = [] if from_store else [grads[n].to(torch.float32) for n in names]
+        if clip_coef is not None and not from_store:
             gs = self._scaled(gs, clip_coef)  # torch multiplies by the clamped coefficient, 1.0 included
-        keys = [k for n in names for k in (n, EXP_AVG + n, EXP_AVG_SQ + n)]
+        per = 4 if from_store else 3
+        keys = [k for n in names for k in (n, EXP_AVG + n, EXP_AVG_SQ + n)
+                + ((GRAD + n,) if from_store else ())]
         with contextlib.ExitStack() as stack:
             with self.lock:
-                for n, grad in zip(names, gs, strict=True):
+                for n in names:
                     if step == 1 or EXP_AVG + n not in self.store:
                         # a fresh run: moments start at zero whatever an old store holds
-                        mc, vc = self._codecs(grad)
-                        zeros = torch.zeros(grad.shape, dtype=torch.float32)
+                        info = self.store.info(n)
+                        zeros = torch.zeros(info.shape, dtype=torch.float32)
+                        mc, vc = self._codecs(zeros)
                         self.store.put(EXP_AVG + n, zeros, codec=mc)
                         self.store.put(EXP_AVG_SQ + n, zeros, codec=vc)
                 many = getattr(self.store, "update_many", None)
@@ -252,18 +262,28 @@ class StoreAdamW:
                     lent = [stack.enter_context(self.store.update(k, chunked=True)) for k in keys]
             t0 = time.perf_counter()
             by_wd: dict[float, tuple[list[torch.Tensor], ...]] = {}
-            for j, (n, grad) in enumerate(zip(names, gs, strict=True)):
-                params, ms, vs = lent[3 * j : 3 * j + 3]
+            for j, n in enumerate(names):
+                params, ms, vs = lent[per * j : per * j + 3]
+                if from_store:
+                    grad = lent[per * j + 3]
+                    if clip_coef is not None:
+                        torch._foreach_mul_(grad, clip_coef)
+                else:
+                    grad = [gs[j].reshape(-1)]
                 # weights and moments of one shape usually share their chunks; where they do
                 # not (bf16 weights) each is cut where any of them has a chunk end: views only
-                bounds = _bounds(params, ms, vs)
+                bounds = _bounds(params, ms, vs, grad)
                 wd = 0.0 if n in self.no_decay else h.weight_decay
                 lists = by_wd.setdefault(wd, ([], [], [], []))
-                for dst, src in zip(lists, (params, [grad.reshape(-1)], ms, vs), strict=True):
+                for dst, src in zip(lists, (params, grad, ms, vs), strict=True):
                     dst.extend(_cut(src, bounds))
             for wd, (ps, gl, ml, vl) in by_wd.items():
                 adamw_update_many_(ps, gl, ml, vl, step, h, wd)
             self.update_s += time.perf_counter() - t0
+        if from_store:
+            with self.lock:
+                for n in names:
+                    self.store.delete(GRAD + n)
 
 
 def _cut(parts: list[torch.Tensor], bounds: list[int]) -> list[torch.Tensor]:

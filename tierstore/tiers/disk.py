@@ -116,6 +116,7 @@ class SyncLedger:
     def __init__(self) -> None:
         self._paths: set[str] = set()
         self._lock = threading.Lock()
+        self._prune_at = 0  # ``prune`` checks again once the ledger is twice what it kept
 
     def created(self, path: str) -> None:
         """``path`` is new: it and the folder holding its entry must be synced."""
@@ -127,6 +128,20 @@ class SyncLedger:
         """``path`` (in a folder already recorded) has unsynced contents."""
         with self._lock:
             self._paths.add(path)
+
+    def prune(self, limit: int = 4096) -> None:
+        """Forget paths deleted since they were recorded, once there are more than ``limit``.
+
+        Write-backs for room leave their syncs to the next commit, and most of what they write
+        (training state superseded a step later) is deleted before then: without this, the
+        ledger would grow by every such file between commits. Checked under the lock, so a
+        path re-created meanwhile is recorded again after (``created`` follows the mkdir).
+        """
+        with self._lock:
+            if len(self._paths) <= max(limit, self._prune_at):
+                return
+            self._paths = {p for p in self._paths if os.path.lexists(p)}
+            self._prune_at = 2 * len(self._paths)
 
     def pending(self) -> list[str]:
         """Every path awaiting a sync, sorted."""

@@ -43,15 +43,25 @@ def _plain(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], check
     # the fused kernel, as the streaming trainer's CPU AdamW uses (the stronger baseline)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
     times = []
-    for b in batches:
-        t0 = time.perf_counter()
-        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"])
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
+    # the streaming run's mt.init tunes malloc for the whole process (large buffers go back to
+    # the OS on free); plain PyTorch gets glibc's own reuse of freed buffers, as in a process of its own
+    from trainer import memory
+
+    with memory.reuse_freed_buffers():
+        for b in batches:
+            times.append(_plain_step(model, opt, b))
     return times[1:]
+
+
+def _plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict[str, torch.Tensor]) -> float:
+    """One plain step's seconds: forward, backward, clip, AdamW, zero_grad."""
+    t0 = time.perf_counter()
+    out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"])
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
 
 
 def _streaming(model: torch.nn.Module, dataset: Any, a: argparse.Namespace, vram: int, ram: int,

@@ -36,6 +36,7 @@ FEATURES = (
     "finalize",  # barriers that drop the store in a reference cycle without close, collect it
     #              (on its own loop thread or the caller's) and reopen
     "restore",  # restore(): an own key's head made a random retained version's generation again
+    "lazy",  # puts with lazy=True (written only when the budget or a commit needs them)
     "loan_writes",  # an actor writes into a tensor get(..., copy=False) returned (forbidden): the
     #                 commit that needs the changed bytes may be refused (LoanWritten naming the
     #                 key), reads of the key may see them until it is put, deleted or reopened,
@@ -94,6 +95,7 @@ class Op:
     copy: bool = True  # put: False hands the tensor's memory over; get (device): False borrows
     chunked: bool = False  # update: lent as one flat view per chunk
     pick: int = 0  # restore: which retained version (modulo how many there are when it runs)
+    lazy: bool = False  # put: written only when the budget or a commit needs it
 
     def describe(self) -> str:
         """One line for a listing of the program."""
@@ -105,6 +107,8 @@ class Op:
                 what += f" chunk_rows={self.chunk_rows} shard_rows={self.shard_rows or None}"
             if not self.copy:
                 what += " copy=False"
+            if self.lazy:
+                what += " lazy"
         elif k == "update":
             what = f"update {self.key} -> v{self.vid}" + (" chunked" if self.chunked else "")
         elif k == "restore":
@@ -225,6 +229,8 @@ def _actor_op(rng: random.Random, actor: int, is_async: bool, all_keys: list[str
         copy = not ("adopt" in feats and rng.random() < 0.4)
         op = Op("put", actor, key, vid=vids[0], shape=shape, dtype=rng.choice(DTYPES),
                 codec=rng.choice(CODECS), chunk_rows=chunk_rows, shard_rows=shard_rows, copy=copy)
+        if "lazy" in feats and rng.random() < 0.5:  # drawn last: other seeds' programs unchanged
+            op = dataclasses.replace(op, lazy=True)
     elif r < 0.62 and "loan_writes" in feats and rng.random() < 0.25:
         # drawn only with the feature, so programs without it stay what their seeds gave before
         op = Op("loan_write", actor, key)

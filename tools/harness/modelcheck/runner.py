@@ -232,6 +232,8 @@ class Runner:
                                       if op.chunk_rows else {})
             if not op.copy:
                 layout["copy"] = False  # the clone below is the store's from then on
+            if op.lazy:
+                layout["lazy"] = True
             return _Call(lambda a: a.put(op.key, t.clone(), op.codec, **layout),
                          lambda s: s.put(op.key, t.clone(), op.codec, **layout), finish_put)
         if kind in READ_KINDS:
