@@ -453,7 +453,10 @@ class Runner:
         def finish_read(res: Any, exc: BaseException | None, cancelled: bool) -> None:
             if cancelled or (exc is not None and self._allowed(exc)):
                 return
-            seen = res if exc is None else exc
+            # a window tensor is shared: another actor's write into its loan may land while this
+            # is checked, so compare a snapshot, taken before the candidates (the model counts
+            # such a write before it is made)
+            seen = (res.clone() if isinstance(res, torch.Tensor) else res) if exc is None else exc
             if not owner:  # a put that started after this read was prepared may be what it saw
                 for v in m.candidates(op.key, racing=True) - set(expected):
                     expected[v] = _expect(None if v == ABSENT else m.tensor(v), op, index)
