@@ -131,6 +131,7 @@ class AsyncStore(ReadPath):
         #: generations made here whose folders were never made (lazy puts, in-place updates):
         #: collecting one deletes nothing on disk
         self._memory_only: set[int] = set()
+        self._writing_back = 0  # stored bytes of write-backs for room in flight (``writes``)
         self._retiring: set[asyncio.Task[None]] = set()
         self._reads: dict[tuple[int, int], asyncio.Task[torch.Tensor]] = {}
         self._shard_maps: dict[int, ShardMap] = {}  # offsets of sharded generations, built on use
@@ -276,7 +277,7 @@ class AsyncStore(ReadPath):
         # compressed tensor used to wait forever on a full disk because of its own read)
         if any(not t.done() for ts in self._writes.values() for t in ts):
             # those may free nothing (a generation's folders, its zarr.json): dirty chunks
-            # nobody writes yet are the room that comes soonest
+            # nobody writes yet are the room that comes soonest (tops up what is in flight)
             start_write_back(self)
             return None
         failed = [t.exception() for ts in self._writes.values() for t in ts

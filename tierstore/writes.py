@@ -58,25 +58,34 @@ ChunkCheck = tuple[str, int, Any, int]
 
 
 def start_write_back(store: AsyncStore) -> bool:
-    """Start writing dirty head chunks nobody writes yet, least recently used first; True if any.
+    """Start writing dirty head chunks nobody writes yet, needed last first; True if any started.
 
     Write-behind: a dirty chunk is written when the RAM budget needs its room or a commit
     needs it durable, not when it is made, so state that fits the budget costs no disk
-    traffic between commits. About 1/16 of the budget is queued at once, so that room
-    frees while more is written.
+    traffic between commits. About 1/16 of the budget is kept in flight, so that room frees
+    while more is written; a call while that much is in flight starts nothing (each waiter
+    for room calls this, and a write started for nobody's room is a write too many).
     """
     heads = {r.generation: r for r in store._head.values()}
     target = max(1, (store._host.budget or 0) // 16)
-    queued = 0
+    started = False
     for gen, _ in store._host.dirty_lru():
+        if store._writing_back >= target:
+            break
         rec = heads.get(gen)
         if rec is None or gen in store._writes:
             continue  # written already or now, or not a head any more (its retirement drops it)
-        store._writes[gen] = [store._spawn(write_dirty(store, rec))]
-        queued += rec.stored_nbytes
-        if queued >= target:
-            break
-    return queued > 0
+        task = store._spawn(write_dirty(store, rec))
+        # counted from now, not from when the task first runs: this loop reads the count
+        store._writing_back += rec.stored_nbytes
+        task.add_done_callback(lambda _t, n=rec.stored_nbytes: _written_back(store, n))
+        store._writes[gen] = [task]
+        started = True
+    return started
+
+
+def _written_back(store: AsyncStore, nbytes: int) -> None:
+    store._writing_back -= nbytes
 
 
 async def write_dirty(store: AsyncStore, rec: GenRecord) -> None:
