@@ -60,13 +60,34 @@ async def collect(store: AsyncStore, gens: dict[int, tuple[str, int, bool]]) -> 
             continue  # a reader (maybe in another process) reads it
         del store._deferred[g]
         on_disk = g not in store._memory_only  # else never written: no folder to delete
+        grid = store._folder_grids.get(g)
         forget_in_memory(store, g, n_chunks)
         if not on_disk:
             continue
-        await store._run_delete(_delete_folder, store, key, g)
+        if grid is not None and not shared and not store._closing:
+            # never committed, so no other process ever read it: the next write-back of
+            # this key renames the folder and writes over its files (``recycle_folder``);
+            # one spare a key, the one it replaces is deleted
+            spare = store._spare_folders.get(key)
+            store._spare_folders[key] = (g, grid)
+            if spare is not None:
+                await store._run_delete(delete_folder, store, key, spare[0])
+            continue
+        await store._run_delete(delete_folder, store, key, g)
 
 
-def _delete_folder(store: AsyncStore, key: str, g: int) -> None:
+def drop_spare_folders(store: AsyncStore) -> None:
+    """Delete the folders kept for recycling (closing: they hold nothing anyone reads).
+
+    On the calling thread: a store dropped without close is closed by its finalizer after the
+    cyclic GC has already stopped its executors' threads (weakref callbacks run first).
+    """
+    spares, store._spare_folders = store._spare_folders, {}
+    for key, (g, _) in spares.items():
+        delete_folder(store, key, g)
+
+
+def delete_folder(store: AsyncStore, key: str, g: int) -> None:
     """Delete generation ``g``'s folder, then the sync ledger's entries of deleted files."""
     store._disk.delete_generation(key, g)
     store._ledger.prune()
@@ -77,6 +98,8 @@ def forget_in_memory(store: AsyncStore, g: int, n_chunks: int) -> None:
     for i in range(n_chunks):
         store._late_crcs.pop((g, i), None)
     store._gen_keys.pop(g, None)
+    store._folder_grids.pop(g, None)
+    store._folder_grids.pop(g, None)
     store._memory_only.discard(g)
     store._host.drop_generation(g, n_chunks)
     store._window.forget(g)

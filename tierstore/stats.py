@@ -38,6 +38,7 @@ class Counters:
     bytes_lent: int = 0
     updates: int = 0  # update() loans
     bytes_copied_on_write: int = 0  # chunk bytes an update copied because a reader held them
+    folders_recycled: int = 0  # generation folders renamed for a new generation, not remade
 
 
 class Tracer:

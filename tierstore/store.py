@@ -65,7 +65,13 @@ from tierstore.plan import AccessPlan
 from tierstore.prefetch import AccessPredictor
 from tierstore.reads import ReadPath
 from tierstore.records import Commit, GenRecord, TensorInfo
-from tierstore.retirement import collect, on_unpinned, retire_soon
+from tierstore.retirement import (
+    collect,
+    delete_folder,
+    drop_spare_folders,
+    on_unpinned,
+    retire_soon,
+)
 from tierstore.settle import finish_despite_cancel, settle
 from tierstore.shards import ShardMap, plan_sharded
 from tierstore.stats import Counters, Tracer
@@ -132,6 +138,10 @@ class AsyncStore(ReadPath):
         #: collecting one deletes nothing on disk
         self._memory_only: set[int] = set()
         self._writing_back = 0  # stored bytes of write-backs for room in flight (``writes``)
+        #: grids of generations whose write-back wrote every file: their folders may be recycled
+        self._folder_grids: dict[int, ChunkGrid] = {}
+        #: per key, a retired, never committed generation's folder kept for the next write-back
+        self._spare_folders: dict[str, tuple[int, ChunkGrid]] = {}
         self._retiring: set[asyncio.Task[None]] = set()
         self._reads: dict[tuple[int, int], asyncio.Task[torch.Tensor]] = {}
         self._shard_maps: dict[int, ShardMap] = {}  # offsets of sharded generations, built on use
@@ -217,6 +227,11 @@ class AsyncStore(ReadPath):
                     await collect(self, {})
                 except (StoreError, OSError):
                     pass  # left behind as orphans: the next writer open deletes them
+            if self._spare_folders:
+                try:
+                    drop_spare_folders(self)
+                except (StoreError, OSError):
+                    pass  # orphans likewise
             self._closing = True
             background = list(self._background)
             for t in background:
@@ -574,7 +589,7 @@ class AsyncStore(ReadPath):
             "prefetch_errors": c.prefetch_errors, "dirty_chunks": self._host.dirty_count(),
             "host_fresh_buffers": self._host.fresh_buffers, "lent": c.lent, "bytes_lent": c.bytes_lent,
             "host_lent_bytes": self._host.lent_bytes(), "updates": c.updates,
-            "bytes_copied_on_write": c.bytes_copied_on_write,
+            "bytes_copied_on_write": c.bytes_copied_on_write, "folders_recycled": c.folders_recycled,
             "mapped_gathers": self._mapped.served, "mapped_declined": self._mapped.declined,
             "predictor_dropped_reads": self._predictor.dropped, "trace_dropped_events": self.tracer.dropped,
         }
@@ -669,6 +684,11 @@ class AsyncStore(ReadPath):
         self.stats_counters.commits += 1
         try:
             await collect(self, gone)  # after the transaction: see its docstring on leases
+            # folders kept for recycling never outlive a commit: disk use after one is its
+            # retained versions' (``keep_last``) and the head's
+            spares, self._spare_folders = self._spare_folders, {}
+            for key, (g, _) in spares.items():
+                await self._run_delete(delete_folder, self, key, g)
         except (StoreError, OSError):
             pass  # left-over folders are orphans a later collection or reopen deletes
         self.tracer.span("commit", "store", t0, time.perf_counter(), version=commit.version)

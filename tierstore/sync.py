@@ -149,12 +149,13 @@ def _close_and_stop(loop: LoopThread, astore: AsyncStore, commit: bool = False) 
 
 
 def _on_store_thread(loop: LoopThread, astore: AsyncStore) -> bool:
-    """Whether the calling thread is one a close of this store waits for (loop, io, cpu)."""
+    """Whether the calling thread is one a close of this store waits for (loop, io, delete, cpu)."""
     if loop.owns_current_thread():
         return True
     me = threading.current_thread()
     # ThreadPoolExecutor keeps its workers in ``_threads`` (CPython, since 3.2)
-    return any(me in getattr(pool, "_threads", ()) for pool in (astore._io, astore._cpu))
+    return any(me in getattr(pool, "_threads", ())
+               for pool in (astore._io, astore._deleter, astore._cpu))
 
 
 atexit.register(_close_open_stores)

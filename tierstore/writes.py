@@ -34,9 +34,10 @@ import torch
 from tierstore.chunks import encode_chunk
 from tierstore.codecs import Codec
 from tierstore.dtypes import as_bytes
-from tierstore.errors import BudgetError, LoanWritten, StoreError
+from tierstore.errors import BudgetError, DiskError, LoanWritten, StoreError
 from tierstore.layout import ChunkGrid, zarr_metadata
 from tierstore.records import CRC_PENDING, GenRecord
+from tierstore.retirement import delete_folder, spawn_retiring
 from tierstore.settle import settle
 from tierstore.shards import (
     TRAILER,
@@ -97,6 +98,37 @@ async def write_dirty(store: AsyncStore, rec: GenRecord) -> None:
         raise failures[0]
 
 
+async def recycle_folder(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, shard: int) -> bool:
+    """Give ``gen`` (no folder yet) a retired generation's folder of ``key``; True if it took one.
+
+    Training state written back for room is superseded a step later: its folder becomes the
+    next generation's instead of being deleted while a new one is made (``adopt_folder``).
+    The caller writes every file of ``gen`` over the old ones (``write_at(overwrite=True)``),
+    so only the grid (the folders it needs) has to match.
+    """
+    spare = store._spare_folders.get(key)
+    if spare is None or spare[1] != grid or shard:
+        return False
+    del store._spare_folders[key]
+    store._memory_only.discard(gen)  # before: a cancelled rename may still land
+    try:
+        await store._run_io(store._disk.adopt_folder, key, spare[0], gen, grid, store._ledger)
+    except DiskError:
+        spawn_retiring(store, store._run_delete(delete_folder, store, key, spare[0]))
+        return False
+    store._folder_grids[gen] = grid
+    store.stats_counters.folders_recycled += 1
+    return True
+
+
+async def folders(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, shard: int) -> bool:
+    """A new generation's folders: a recycled one (True: write its files over) or new ones."""
+    if await recycle_folder(store, key, gen, grid, shard):
+        return True
+    await make_dirs(store, key, gen, grid, shard)
+    return False
+
+
 def chunk_crc(rec: GenRecord, i: int, late_crcs: dict[tuple[int, int], int]) -> int:
     """The crc32c of chunk ``i`` of ``rec``: in the record, or computed when it was written."""
     crc = rec.chunks[i][1]
@@ -146,12 +178,12 @@ async def write_generation(store: AsyncStore, key: str, gen: int, t: torch.Tenso
     # started now, or (``lazy``, not sharded) when the budget or a commit needs them
     assert not (lazy and shard)
     store._gen_keys[gen] = key
-    tasks: list[asyncio.Task[None]] = [] if lazy else store._writes.setdefault(gen, [])
-    dirs: asyncio.Task[None] | None = None
+    tasks: list[asyncio.Task[Any]] = [] if lazy else store._writes.setdefault(gen, [])
+    dirs: asyncio.Task[bool] | None = None
 
-    def start_writes() -> asyncio.Task[None]:
+    def start_writes() -> asyncio.Task[bool]:
         store._memory_only.discard(gen)  # now, not when the task starts: a collection may come first
-        task = store._spawn(make_dirs(store, key, gen, grid, shard))
+        task = store._spawn(folders(store, key, gen, grid, shard))
         tasks.append(task)
         tasks.append(store._spawn(write_meta(store, key, gen, grid, t.dtype, codec, after=task,
                                              shard=shard)))
@@ -252,31 +284,31 @@ async def write_generation(store: AsyncStore, key: str, gen: int, t: torch.Tenso
 
 
 async def write_meta(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, dtype: torch.dtype,
-                     codec: Codec, after: asyncio.Task[None] | None = None,
-                     shard: int = 0) -> None:
-    """Write the generation's zarr.json."""
+                     codec: Codec, after: asyncio.Task[bool] | None = None,
+                     shard: int = 0, overwrite: bool = False) -> None:
+    """Write the generation's zarr.json (``overwrite``: over a recycled folder's, ``write_at``)."""
     attrs = {"key": key, "generation": gen}
     if shard:
         meta = sharded_zarr_metadata(grid, shard, dtype, codec, attrs)
     else:
         meta = zarr_metadata(grid, dtype, codec, attrs)
     path = os.path.join(store._disk.generation_dir(key, gen), "zarr.json")
-    await write_file(store, path, [meta], None, after=after)
+    await write_file(store, path, [meta], None, after=after, overwrite=overwrite)
 
 
 async def write_chunk(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, i: int,
                       payload: torch.Tensor, crc: int,
-                      after: asyncio.Task[None] | None = None, sync: bool = True,
-                      check: bool = True) -> None:
+                      after: asyncio.Task[bool] | None = None, sync: bool = True,
+                      check: bool = True, overwrite: bool = False) -> None:
     """Write chunk ``i``'s file (payload + crc32c trailer); the RAM copy turns clean.
 
     ``check``: the payload must still match ``crc`` (``write_file``); False only where the crc
-    was just taken from these very bytes.
+    was just taken from these very bytes. ``overwrite``: over a recycled folder's file.
     """
     path = store._disk.chunk_path(key, gen, grid, i)
     data = payload.numpy()
     await write_file(store, path, [data, crc_trailer(crc)], (gen, i), after=after, sync=sync,
-                     checks=[(key, i, data, crc)] if check else ())
+                     checks=[(key, i, data, crc)] if check else (), overwrite=overwrite)
 
 
 async def make_dirs(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, shard: int = 0) -> None:
@@ -284,12 +316,14 @@ async def make_dirs(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, shar
     store._memory_only.discard(gen)  # before: a failure midway may leave folders behind
     await store._run_io(store._disk.make_dirs, key, gen, grid, range(grid.n_chunks), store._ledger,
                         shard)
+    if not shard:  # every folder its grid needs exists: a later generation may take them over
+        store._folder_grids[gen] = grid
 
 
 def _write_checked(store: AsyncStore, path: str, at: int | None, parts: list[Any], sync: bool,
-                   checks: Sequence[ChunkCheck]) -> None:
+                   checks: Sequence[ChunkCheck], overwrite: bool) -> None:
     """``write_at``, then each checked chunk's crc32c again: LoanWritten if its bytes changed (io thread)."""
-    store._disk.write_at(path, at, parts, sync)
+    store._disk.write_at(path, at, parts, sync, overwrite)
     for key, i, data, crc in checks:
         if checksum([data]) != crc:
             raise LoanWritten(
@@ -301,8 +335,9 @@ def _write_checked(store: AsyncStore, path: str, at: int | None, parts: list[Any
 
 async def write_file(store: AsyncStore, path: str, parts: list[Any],
                      cid: tuple[int, int] | list[tuple[int, int]] | None,
-                     after: asyncio.Task[None] | None = None, at: int | None = None,
-                     sync: bool = True, checks: Sequence[ChunkCheck] = ()) -> None:
+                     after: asyncio.Task[bool] | None = None, at: int | None = None,
+                     sync: bool = True, checks: Sequence[ChunkCheck] = (),
+                     overwrite: bool = False) -> None:
     """Write ``parts`` as the file ``path`` (``at``: at that offset of a shard file).
 
     ``sync``: a large file is synced by the write itself (so a commit has less left to sync);
@@ -314,13 +349,15 @@ async def write_file(store: AsyncStore, path: str, parts: list[Any],
     change made while ``pwritev`` ran is caught too (the file is not published either way).
     """
     if after is not None:
-        await after  # the generation's folders; their failure fails this write too
+        # the generation's folders; their failure fails this write too. True: a recycled
+        # folder, whose old files are written over
+        overwrite = await after is True or overwrite
     assert store._write_sem is not None
     n = sum(memoryview(p).nbytes for p in parts)
     sync = sync and n >= _SYNC_ON_WRITE_BYTES
     async with store._write_sem:
         t0 = time.perf_counter()
-        await store._run_io(_write_checked, store, path, at, parts, sync, checks)
+        await store._run_io(_write_checked, store, path, at, parts, sync, checks, overwrite)
     if not sync:
         store._ledger.written(path)
     store.stats_counters.bytes_written_disk += n
@@ -356,9 +393,15 @@ async def rewrite(store: AsyncStore, rec: GenRecord, sync: bool = True) -> list[
     A sharded generation rewrites its dirty inner chunks in place and every shard index
     (small, and a failed index write leaves no dirty chunk to say so).
     """
-    await make_dirs(store, rec.key, rec.generation, rec.grid, rec.shard)
+    g = rec.generation
+    if g in store._memory_only and all(store._host.dirty_payload((g, i)) is not None
+                                       for i in range(rec.grid.n_chunks)):
+        recycled = await folders(store, rec.key, g, rec.grid, rec.shard)  # every file is written
+    else:
+        recycled = False
+        await make_dirs(store, rec.key, g, rec.grid, rec.shard)
     coros = [write_meta(store, rec.key, rec.generation, rec.grid, rec.torch_dtype, rec.codec_obj,
-                        shard=rec.shard)]
+                        shard=rec.shard, overwrite=recycled)]
     smap = store._shard_map(rec) if rec.shard else None
     for i, (_, crc) in enumerate(rec.chunks):
         payload = store._host.dirty_payload((rec.generation, i))
@@ -375,7 +418,7 @@ async def rewrite(store: AsyncStore, rec: GenRecord, sync: bool = True) -> list[
             crc = store._late_crcs[cid]
         if smap is None:
             coros.append(write_chunk(store, rec.key, rec.generation, rec.grid, i, payload, crc,
-                                     sync=sync, check=check))
+                                     sync=sync, check=check, overwrite=recycled))
         else:
             s, at = smap.location(i)
             path = store._disk.shard_path(rec.key, rec.generation, rec.grid, s)

@@ -94,3 +94,64 @@ def test_write_backs_for_room_leave_no_growing_ledger(tmp_path) -> None:
         s.commit()
     with tierstore.open(tmp_path / "s", "r") as s:
         assert s.verify() == []
+
+
+def _cycle(s, n_keys: int, cycles: int, ref: dict[str, torch.Tensor]) -> None:
+    for _ in range(cycles):
+        for i in range(n_keys):
+            with s.update(f"k{i}", chunked=True) as parts:  # in place, as the trainer's AdamW
+                for p in parts:
+                    p.add_(1.0)
+            ref[f"k{i}"] += 1.0
+
+
+def test_state_written_back_for_room_takes_over_its_folders(tmp_path) -> None:
+    ref = {f"k{i}": torch.randn(4 * 16384) for i in range(6)}  # 1.5 MiB of state, 512 KiB budget
+    with _open(tmp_path / "s", budget="512KiB") as s:
+        for k, v in ref.items():
+            s.put(k, v.clone())
+        s.commit()
+        _cycle(s, 6, 8, ref)
+        assert s.stats()["folders_recycled"] >= 6 * 4  # most write-backs rename, none remade
+        for k, v in ref.items():
+            assert torch.equal(s.get(k), v), k
+        # a key's committed folder, its head's and one spare at most: nothing grows per cycle
+        assert _folders(tmp_path / "s") <= 6 * 3
+        s.commit()
+        retained = {g for c in s.versions() for g in c.generations.values()}
+    assert _folders(tmp_path / "s") == len(retained)  # the spares went with the close
+    with tierstore.open(tmp_path / "s", "r") as s:
+        assert s.verify() == []
+        for k, v in ref.items():
+            assert torch.equal(s.get(k), v), k
+
+
+def test_a_failed_rename_of_a_spare_folder_makes_a_new_one(tmp_path) -> None:
+    from tierstore.faults import FaultPlan
+
+    ref = {f"k{i}": torch.randn(4 * 16384) for i in range(6)}
+    with _open(tmp_path / "s", budget="512KiB") as s:
+        for k, v in ref.items():
+            s.put(k, v.clone())
+        s.commit()
+        _cycle(s, 6, 3, ref)
+        store = s.async_store
+        spares = dict(store._spare_folders)
+        assert spares  # the next write-backs rename these
+        plan = FaultPlan(sites=("mkdir",), fail_calls={0})
+        store._disk.faults = plan
+        _cycle(s, 6, 2, ref)
+        store._disk.faults = None
+        _, site, path = plan.log[0]
+        key, _, gen = os.path.basename(path).partition("@")
+        assert site == "mkdir" and key in spares and int(gen) > spares[key][0]  # a rename
+        assert len(plan.log) > 1  # then new folders were made for it (calls past the failure)
+        for k, v in ref.items():
+            assert torch.equal(s.get(k), v), k
+        s.commit()  # waits for deletions
+        # the spare it could not take was deleted, not left behind
+        assert not os.path.exists(store._disk.generation_dir(key, spares[key][0]))
+    with tierstore.open(tmp_path / "s", "r") as s:
+        assert s.verify() == []
+        for k, v in ref.items():
+            assert torch.equal(s.get(k), v), k

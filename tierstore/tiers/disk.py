@@ -293,6 +293,28 @@ class DiskTier:
                     raise DiskError(f"cannot create {q}: {e.strerror}") from e
         return created
 
+    def adopt_folder(self, key: str, old_gen: int, new_gen: int, grid: ChunkGrid,
+                     ledger: SyncLedger) -> None:
+        """Rename generation ``old_gen``'s folder (same key and grid) to ``new_gen``'s.
+
+        A folder made and deleted per write costs about 2 ms a generation on ext4 (mkdir, rmdir
+        and the blocks freed and allocated again), several times the write of a 1 MiB chunk
+        over blocks the file already has. Every entry of the renamed tree enters the ledger as
+        if new: none of it was synced under its new name.
+        """
+        old, new = self.generation_dir(key, old_gen), self.generation_dir(key, new_gen)
+        self.open_files.forget(old)
+        try:
+            self.check_faults("mkdir", new)
+            os.rename(old, new)
+        except OSError as e:
+            raise DiskError(f"cannot rename {old} to {new}: {e.strerror}") from e
+        ledger.created(new)
+        for d in {os.path.dirname(self.chunk_path(key, new_gen, grid, i)) for i in range(grid.n_chunks)}:
+            if d != new:
+                ledger.created(d)
+        ledger.prune()  # the old names are gone, as if deleted
+
     def write_file(self, path: str, parts: Sequence[Buffer], sync: bool) -> None:
         """Write ``parts`` as the whole content of ``path``; fdatasync it if ``sync``.
 
@@ -301,13 +323,17 @@ class DiskTier:
         """
         self.write_at(path, None, parts, sync)
 
-    def write_at(self, path: str, at: int | None, parts: Sequence[Buffer], sync: bool) -> None:
+    def write_at(self, path: str, at: int | None, parts: Sequence[Buffer], sync: bool,
+                 overwrite: bool = False) -> None:
         """Write ``parts`` at byte ``at`` of ``path`` (created if new); ``None``: the whole file.
 
         A shard file is written in pieces by concurrent calls (each inner chunk at its offset,
-        the index at the end), so those open it without truncating.
+        the index at the end), so those open it without truncating. ``overwrite`` (with
+        ``at=None``): write over the file's old bytes, then cut it to the new length, never
+        truncating it to zero first: ext4 flushes a file truncated to zero and rewritten when
+        it is closed (``auto_da_alloc``), about 2 ms a MiB on the write path.
         """
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if at is None else 0)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if at is None and not overwrite else 0)
         try:
             self.check_faults("write", path)
             fd = os.open(path, flags, 0o644)
@@ -326,6 +352,8 @@ class DiskTier:
                     raise DiskError(f"write to {path} made no progress")
                 offset += n
                 views = _consume(views, n)  # a short write resumes inside its buffer
+            if overwrite and at is None:
+                os.ftruncate(fd, offset)
             if sync:
                 self.check_faults("fsync", path)
                 os.fdatasync(fd)
