@@ -137,7 +137,8 @@ class AsyncStore(ReadPath):
         #: generations made here whose folders were never made (lazy puts, in-place updates):
         #: collecting one deletes nothing on disk
         self._memory_only: set[int] = set()
-        self._writing_back = 0  # stored bytes of write-backs for room in flight (``writes``)
+        #: write-backs for room started (``writes.start_write_back``): task -> stored bytes
+        self._write_backs: dict[asyncio.Task[None], int] = {}
         #: grids of generations whose write-back wrote every file: their folders may be recycled
         self._folder_grids: dict[int, ChunkGrid] = {}
         #: per key, a retired, never committed generation's folder kept for the next write-back

@@ -69,24 +69,25 @@ def start_write_back(store: AsyncStore) -> bool:
     """
     heads = {r.generation: r for r in store._head.values()}
     target = max(1, (store._host.budget or 0) // 16)
+    # counted from the tasks themselves, not by callbacks: a done task's callback runs a loop
+    # turn later, and a waiter between the two would find room neither made nor coming
+    flight = store._write_backs
+    for t in [t for t in flight if t.done()]:
+        del flight[t]
+    in_flight = sum(flight.values())
     started = False
     for gen, _ in store._host.dirty_lru():
-        if store._writing_back >= target:
+        if in_flight >= target:
             break
         rec = heads.get(gen)
         if rec is None or gen in store._writes:
             continue  # written already or now, or not a head any more (its retirement drops it)
         task = store._spawn(write_dirty(store, rec))
-        # counted from now, not from when the task first runs: this loop reads the count
-        store._writing_back += rec.stored_nbytes
-        task.add_done_callback(lambda _t, n=rec.stored_nbytes: _written_back(store, n))
+        flight[task] = rec.stored_nbytes
+        in_flight += rec.stored_nbytes
         store._writes[gen] = [task]
         started = True
     return started
-
-
-def _written_back(store: AsyncStore, nbytes: int) -> None:
-    store._writing_back -= nbytes
 
 
 async def write_dirty(store: AsyncStore, rec: GenRecord) -> None:
