@@ -363,8 +363,10 @@ async def rewrite(store: AsyncStore, rec: GenRecord, sync: bool = True) -> list[
             # it written into meanwhile, which a crc taken here cannot see
             cid = (rec.generation, i)
             if cid not in store._late_crcs:
-                store._late_crcs[cid] = await store._run_cpu(payload.numel(), checksum,
-                                                             [payload.numpy()])
+                late = await store._run_cpu(payload.numel(), checksum, [payload.numpy()])
+                # the first crc taken wins: a get(copy=False) may have taken one meanwhile and
+                # lent the chunk, and this one may have read bytes written through that loan
+                store._late_crcs.setdefault(cid, late)
             crc = store._late_crcs[cid]
         if smap is None:
             coros.append(write_chunk(store, rec.key, rec.generation, rec.grid, i, payload, crc,

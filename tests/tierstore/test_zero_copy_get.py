@@ -366,3 +366,59 @@ def test_a_loan_taken_after_an_in_place_chunk_got_its_crc_but_before_its_write_i
             await r.close()
 
     asyncio.run(run())
+
+
+def test_a_crc_the_write_back_takes_while_a_loan_is_written_never_replaces_the_loans(tmp_path) -> None:
+    # A large chunk changed in place takes its crc32c on a cpu thread. A get(copy=False) that
+    # takes its own meanwhile lends the chunk once it has one; a write into that loan must not
+    # let the write-back's crc32c, read from the changed bytes, replace the first one taken.
+    import threading
+
+    import tierstore.writes as writes
+
+    n = 1 << 18  # 1 MiB of fp32: crc32c taken on the cpu threads, not the loop's
+    entered, go = threading.Event(), threading.Event()
+    plain = writes.checksum
+
+    def held(parts):  # the write-back's crc32c, held until the loan is written into
+        entered.set()
+        assert go.wait(30)
+        return plain(parts)
+
+    async def run() -> None:
+        x = torch.arange(n, dtype=torch.float32)
+        s = await tierstore.open_async(tmp_path / "s", "w", ram_budget="8MiB", chunk_bytes=4 * n,
+                                       device="cpu", device_budget="8MiB")
+        try:
+            await s.put("keep", torch.ones(4))
+            v1 = await s.commit()
+            await s.put("w", x, lazy=True)
+            async with s.update("w") as t:
+                t.mul_(2)
+            writes.checksum = held
+            try:
+                commit = asyncio.ensure_future(s.commit())
+                while not entered.is_set():
+                    await asyncio.sleep(0.001)
+                lent = await s.get("w", device="cpu", copy=False)  # takes its crc32c first
+                lent[0] = 123.0  # forbidden
+                go.set()
+                with pytest.raises(tierstore.LoanWritten, match="'w'"):
+                    await commit
+            finally:
+                go.set()
+                writes.checksum = plain
+            assert s.versions()[-1].version == v1
+            del lent
+            await s.put("w", x * 3)
+            await s.commit()
+        finally:
+            await s.close()
+        r = await tierstore.open_async(tmp_path / "s", "r", chunk_bytes=4 * n)
+        try:
+            assert not await r.verify()
+            assert torch.equal(await r.get("w"), x * 3)
+        finally:
+            await r.close()
+
+    asyncio.run(run())
