@@ -17,7 +17,9 @@ Every chunk write checks the crc32c of the bytes it wrote against the one taken 
 stored (``write_file``'s ``checks``): a write into a tensor lent by ``get(copy=False)`` (or
 given to ``put(copy=False)``) fails that write with ``LoanWritten``, so the chunk stays dirty
 and no commit publishes it. One crc32c pass per chunk written, several times faster than the
-write it follows.
+write it follows (two for a chunk changed in place: its crc32c is taken, then checked). Every
+write checks, with no exception for a crc32c just taken: taking it and writing are two moments,
+and a loan may be lent and written into between them.
 """
 
 from __future__ import annotations
@@ -300,16 +302,17 @@ async def write_meta(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, dty
 async def write_chunk(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, i: int,
                       payload: torch.Tensor, crc: int,
                       after: asyncio.Task[bool] | None = None, sync: bool = True,
-                      check: bool = True, overwrite: bool = False) -> None:
+                      overwrite: bool = False) -> None:
     """Write chunk ``i``'s file (payload + crc32c trailer); the RAM copy turns clean.
 
-    ``check``: the payload must still match ``crc`` (``write_file``); False only where the crc
-    was just taken from these very bytes. ``overwrite``: over a recycled folder's file.
+    The payload must still match ``crc`` once written (``write_file``), always: even a crc just
+    taken from these bytes was taken before the write, and a loan may be written in between.
+    ``overwrite``: over a recycled folder's file.
     """
     path = store._disk.chunk_path(key, gen, grid, i)
     data = payload.numpy()
     await write_file(store, path, [data, crc_trailer(crc)], (gen, i), after=after, sync=sync,
-                     checks=[(key, i, data, crc)] if check else (), overwrite=overwrite)
+                     checks=[(key, i, data, crc)], overwrite=overwrite)
 
 
 async def make_dirs(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, shard: int = 0) -> None:
@@ -408,24 +411,27 @@ async def rewrite(store: AsyncStore, rec: GenRecord, sync: bool = True) -> list[
         payload = store._host.dirty_payload((rec.generation, i))
         if payload is None:
             continue
-        check = True
         if crc == CRC_PENDING:  # changed in place: its crc is taken now, once (no update can
-            # change it any more: a new update moves it to a new generation, after this write)
+            # change it any more: a new update moves it to a new generation, after this write).
+            # Its write still checks it, as any write does: the write runs later (behind the
+            # io threads and other writes), and a get(copy=False) may lend the chunk and have
+            # it written into meanwhile, which a crc taken here cannot see
             cid = (rec.generation, i)
             if cid not in store._late_crcs:
-                store._late_crcs[cid] = await store._run_cpu(payload.numel(), checksum,
-                                                             [payload.numpy()])
-                check = False  # just taken from these bytes: a second pass would find them equal
+                late = await store._run_cpu(payload.numel(), checksum, [payload.numpy()])
+                # the first crc taken wins: a get(copy=False) may have taken one meanwhile and
+                # lent the chunk, and this one may have read bytes written through that loan
+                store._late_crcs.setdefault(cid, late)
             crc = store._late_crcs[cid]
         if smap is None:
             coros.append(write_chunk(store, rec.key, rec.generation, rec.grid, i, payload, crc,
-                                     sync=sync, check=check, overwrite=recycled))
+                                     sync=sync, overwrite=recycled))
         else:
             s, at = smap.location(i)
             path = store._disk.shard_path(rec.key, rec.generation, rec.grid, s)
             data = payload.numpy()
             coros.append(write_file(store, path, [data, crc_trailer(crc)], (rec.generation, i), at=at,
-                                    sync=sync, checks=[(rec.key, i, data, crc)] if check else ()))
+                                    sync=sync, checks=[(rec.key, i, data, crc)]))
     if smap is not None:
         for s in range(shard_count(rec.grid, rec.shard)):
             members = shard_members(rec.grid, rec.shard, s)

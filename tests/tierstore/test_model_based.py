@@ -7,7 +7,7 @@ into such tensors, forks of the writer's process) under
 injected I/O faults, and compares every result with ``tools.harness.modelcheck``'s
 model; budgets are checked after every phase. A failure prints the seed and a shrunk program;
 ``python -m tools.harness.fuzz_store --seed S --programs 1`` replays it. Features that hit a defect
-still unfixed would run as xfail variants (``KNOWN``, empty now); the scenarios that need
+still unfixed are left out until it is fixed (``KNOWN``, empty now); the scenarios that need
 committed data evicted from RAM (a cancelled commit, a get racing a put, a full disk) and the
 finalization of a store dropped without close (a full garbage collection each) run as variants
 of their own.

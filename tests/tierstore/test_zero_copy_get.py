@@ -324,3 +324,101 @@ def test_writing_into_a_loan_of_a_chunk_changed_in_place_is_refused_too(tmp_path
         assert torch.equal(r.get("w"), x)
     with tierstore.open(path, "r", chunk_bytes=CHUNK) as r:
         assert torch.equal(r.get("w"), x * 3) and not r.verify()
+
+
+def test_a_loan_taken_after_an_in_place_chunk_got_its_crc_but_before_its_write_is_refused(tmp_path) -> None:
+    # A chunk changed in place takes its crc32c when the write-back reaches it; its write may
+    # then wait (behind others, for the io threads). A loan taken and written into in between
+    # must fail that write too: the write re-checks what it wrote, whoever took the crc32c.
+    async def run() -> None:
+        x = torch.arange(N, dtype=torch.float32)
+        s = await tierstore.open_async(tmp_path / "s", "w", ram_budget="1MiB", chunk_bytes=CHUNK,
+                                       device="cpu", device_budget="1MiB", io_depth=1)
+        try:
+            await s.put("keep", torch.ones(4))
+            v1 = await s.commit()
+            await s.put("w", x, lazy=True)  # dirty in RAM, written only when a commit needs it
+            async with s.update("w") as t:
+                t.mul_(2)  # in place: a new generation whose crc32c is taken when it is written
+            cid = (s._head["w"].generation, 0)
+            assert cid not in s._late_crcs
+            await s._write_sem.acquire()  # the commit's writes wait here, like behind another's
+            commit = asyncio.ensure_future(s.commit())
+            while cid not in s._late_crcs:  # the write-back took the crc32c, its write waits
+                await asyncio.sleep(0.001)
+            lent = await s.get("w", device="cpu", copy=False)
+            assert torch.equal(lent, x * 2)
+            lent[0] = 123.0  # forbidden: the loan is read-only
+            s._write_sem.release()
+            with pytest.raises(tierstore.LoanWritten, match="'w'"):
+                await commit
+            assert s.versions()[-1].version == v1  # nothing was published
+            del lent
+            await s.put("w", x * 3)
+            await s.commit()
+        finally:
+            await s.close()
+        r = await tierstore.open_async(tmp_path / "s", "r", chunk_bytes=CHUNK)
+        try:
+            assert not await r.verify()
+            assert torch.equal(await r.get("w"), x * 3)
+        finally:
+            await r.close()
+
+    asyncio.run(run())
+
+
+def test_a_crc_the_write_back_takes_while_a_loan_is_written_never_replaces_the_loans(tmp_path) -> None:
+    # A large chunk changed in place takes its crc32c on a cpu thread. A get(copy=False) that
+    # takes its own meanwhile lends the chunk once it has one; a write into that loan must not
+    # let the write-back's crc32c, read from the changed bytes, replace the first one taken.
+    import threading
+
+    import tierstore.writes as writes
+
+    n = 1 << 18  # 1 MiB of fp32: crc32c taken on the cpu threads, not the loop's
+    entered, go = threading.Event(), threading.Event()
+    plain = writes.checksum
+
+    def held(parts):  # the write-back's crc32c, held until the loan is written into
+        entered.set()
+        assert go.wait(30)
+        return plain(parts)
+
+    async def run() -> None:
+        x = torch.arange(n, dtype=torch.float32)
+        s = await tierstore.open_async(tmp_path / "s", "w", ram_budget="8MiB", chunk_bytes=4 * n,
+                                       device="cpu", device_budget="8MiB")
+        try:
+            await s.put("keep", torch.ones(4))
+            v1 = await s.commit()
+            await s.put("w", x, lazy=True)
+            async with s.update("w") as t:
+                t.mul_(2)
+            writes.checksum = held
+            try:
+                commit = asyncio.ensure_future(s.commit())
+                while not entered.is_set():
+                    await asyncio.sleep(0.001)
+                lent = await s.get("w", device="cpu", copy=False)  # takes its crc32c first
+                lent[0] = 123.0  # forbidden
+                go.set()
+                with pytest.raises(tierstore.LoanWritten, match="'w'"):
+                    await commit
+            finally:
+                go.set()
+                writes.checksum = plain
+            assert s.versions()[-1].version == v1
+            del lent
+            await s.put("w", x * 3)
+            await s.commit()
+        finally:
+            await s.close()
+        r = await tierstore.open_async(tmp_path / "s", "r", chunk_bytes=4 * n)
+        try:
+            assert not await r.verify()
+            assert torch.equal(await r.get("w"), x * 3)
+        finally:
+            await r.close()
+
+    asyncio.run(run())
