@@ -152,7 +152,12 @@ class ReadPath:
         if self._host.holds(cid):
             self.stats_counters.hits_host += 1
         elif self._host.fits(rec.chunks[0][0]):
-            await self._load_chunk(rec, 0, cache="yes")  # cached unless the RAM tier cannot
+            for _attempt in range(3):
+                await self._load_chunk(rec, 0, cache="yes")  # cached unless the RAM tier cannot
+                if self._host.holds(cid):
+                    break
+                # read, then evicted before this task ran again (a budget full of dirty and
+                # lent chunks leaves only this one to evict): read it again, not copy it
         if rec.chunks[0][1] == CRC_PENDING and cid not in self._late_crcs:
             # changed in place and not yet written: its crc is taken before the first loan, so
             # that the write-back finds a write into a loan as it does for a put's chunk
