@@ -16,8 +16,10 @@ def _figures(out: str) -> tuple[float, float, float]:
     return float(m.group(1)), float(m.group(2)), float(g.group(1))
 
 
-def test_store_mode_runs_every_kind_of_get(capsys: pytest.CaptureFixture[str]) -> None:
-    code = rss.main(["store", "--gets", "400", "--sample-every", "20", "--max-growth-mb", "10000", "-q"])
+@pytest.mark.parametrize("api", ["async", "sync"])
+def test_store_mode_runs_every_kind_of_get(api: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = rss.main(["store", "--gets", "400", "--sample-every", "20", "--max-growth-mb", "10000", "-q",
+                     "--api", api])
     out = capsys.readouterr().out
     before, after, growth = _figures(out)
     assert code == 0 and "flat" in out and "store 400 gets" in out
