@@ -13,8 +13,9 @@ with ``--api sync`` through the blocking ``Store``, a hop to its loop thread per
 
 Either samples this process's RSS (``VmRSS`` in ``/proc/self/status``) every ``--sample-every``
 iterations and prints it after the warm-up (``--warmup``, a fraction of the iterations, during
-which caches, allocator arenas and the RAM tier fill) and at the end, and the growth between the
-two. The exit code is 1 when the growth exceeds ``--max-growth-mb``: every byte a loop iteration
+which caches, allocator arenas, the RAM tier and the store's trace fill, and the quantizing
+codecs' kernels get compiled) and at the end, and the growth between the two. ``--max-minutes``
+stops the loop early (a run that must fit a time slot) and reports the iterations done. The exit code is 1 when the growth exceeds ``--max-growth-mb``: every byte a loop iteration
 holds for good shows up there, multiplied by the iterations left after the warm-up.
 """
 
@@ -48,19 +49,29 @@ def rss_bytes() -> int:
 class RssLog:
     """RSS samples taken every ``every`` iterations; the baseline is the first sample after ``warmup``."""
 
-    def __init__(self, total: int, every: int, warmup: int, quiet: bool, unit: str) -> None:
+    def __init__(self, total: int, every: int, warmup: int, quiet: bool, unit: str,
+                 deadline: float | None = None) -> None:
         from tqdm import tqdm
 
         self.every, self.warmup = every, warmup
         self.samples: list[tuple[int, int]] = []
         self.baseline: tuple[int, int] | None = None
+        #: ``time.monotonic()`` past which the loop stops early (``--max-minutes``), and where it did
+        self.deadline = deadline
+        self.stopped_at: int | None = None
         self._bar = tqdm(total=total, unit=unit, disable=quiet, file=sys.stderr, mininterval=1.0)
         self._done = 0
 
-    def tick(self, i: int) -> None:
-        """Count iteration ``i`` (1-based) done; sample RSS on every ``every``-th."""
-        if i % self.every and i != self._bar.total:
-            return
+    def tick(self, i: int) -> bool:
+        """Count iteration ``i`` (1-based) done; sample RSS on every ``every``-th.
+
+        True when the deadline has passed: the loop stops after this iteration, sampled last.
+        """
+        late = self.deadline is not None and time.monotonic() >= self.deadline
+        if late:
+            self.stopped_at = i
+        elif i % self.every and i != self._bar.total:
+            return False
         self._bar.update(i - self._done)
         self._done = i
         rss = rss_bytes()
@@ -68,6 +79,7 @@ class RssLog:
         if self.baseline is None and i >= self.warmup:
             self.baseline = (i, rss)
         self._bar.set_postfix_str(f"rss {rss / _MIB:.1f} MiB", refresh=False)
+        return late
 
     def report(self, what: str, max_growth_mb: float) -> int:
         """Print RSS after the warm-up, at the end and the growth; 1 if it exceeds the limit."""
@@ -84,6 +96,8 @@ class RssLog:
         step = max(1, len(self.samples) // 20)  # the curve, thinned to about 20 points
         curve = " ".join(f"{i}:{r / _MIB:.1f}" for i, r in self.samples[::step])
         print(f"rss curve (iteration:MiB): {curve}", flush=True)
+        if self.stopped_at is not None:
+            print(f"stopped by --max-minutes after iteration {self.stopped_at} of {self._bar.total}", flush=True)
         ok = growth <= max_growth_mb
         print(f"growth {growth:+.2f} MiB ({per:+.1f} B an iteration) over {i1 - i0} iterations: "
               + ("flat" if ok else f"GROWS (limit {max_growth_mb} MiB)"), flush=True)
@@ -114,7 +128,8 @@ def run_trainer(steps: int, log: RssLog, folder: str, save_steps: int) -> None:
 
     class Sampler(mt.TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            log.tick(state.global_step)
+            if log.tick(state.global_step):
+                control.should_training_stop = True
 
     tr = mt.Trainer(model=model, train_dataset=default_dataset(block_size=32, max_bytes=64 * 1024), args=args,
                     callbacks=[Sampler()])
@@ -173,7 +188,8 @@ def run_store(gets: int, log: RssLog, folder: str) -> None:
         for i in range(gets):
             t = ops[i % n]()
             del t  # a caller drops each result: a loan goes back to the RAM tier here
-            log.tick(i + 1)
+            if log.tick(i + 1):
+                break
 
 
 async def _run_store_async(gets: int, log: RssLog, folder: str) -> None:
@@ -193,7 +209,8 @@ async def _run_store_async(gets: int, log: RssLog, folder: str) -> None:
             if t is None:
                 t = await s.get(key, **kw)
             del t  # a caller drops each result: a loan goes back to the RAM tier here
-            log.tick(i + 1)
+            if log.tick(i + 1):
+                break
     finally:
         await s.close()
 
@@ -228,6 +245,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="fraction of the iterations before the baseline sample (default 0.1)")
         sp.add_argument("--max-growth-mb", type=float, default=5.0,
                         help="growth after the warm-up that fails the run (MiB, default 5)")
+        sp.add_argument("--max-minutes", type=float, default=0,
+                        help="stop after this many minutes and report the iterations done (default: no limit)")
         sp.add_argument("--dir", default=None, help="where to make the store (default: a temp dir, removed)")
         sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
@@ -247,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     folder = tempfile.mkdtemp(prefix="tierstore-rss-", dir=args.dir)
     unit = "step" if args.mode == "trainer" else "get"
-    log = RssLog(args.total, args.sample_every, int(args.warmup * args.total), args.quiet, unit)
+    deadline = time.monotonic() + 60 * args.max_minutes if args.max_minutes > 0 else None
+    log = RssLog(args.total, args.sample_every, int(args.warmup * args.total), args.quiet, unit, deadline)
     t0 = time.perf_counter()
     try:
         if args.mode == "trainer":
@@ -257,8 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     elapsed = time.perf_counter() - t0
+    done = log.samples[-1][0] if log.samples else 0
     code = log.report(f"{args.mode} {args.total} {unit}s", args.max_growth_mb)
-    print(f"{elapsed:.0f} s, {args.total / elapsed:.1f} {unit}s/s", flush=True)
+    print(f"{elapsed:.0f} s, {done / elapsed:.1f} {unit}s/s", flush=True)
     return code
 
 
