@@ -515,7 +515,7 @@ def test_auto_compiles_a_kernel_once_its_eager_work_repays_it(monkeypatch: pytes
     (an optimizer state re-encoded every step), then that kernel alone is compiled."""
     built: list[tuple] = []
 
-    def fake_compile(fn):  # records what would be compiled; runs eagerly
+    def fake_compile(fn, options=None):  # records what would be compiled; runs eagerly
         built.append(fn)
         return fn
     monkeypatch.setattr(torch, "compile", fake_compile)
@@ -528,13 +528,35 @@ def test_auto_compiles_a_kernel_once_its_eager_work_repays_it(monkeypatch: pytes
     assert not built  # eager while fewer than 3000 elements were done before the call
     assert quant._EAGER_ELEMENTS[("encode", 4, True, "nearest", "", "rank1")] == 2560 + 1280
     quant.quantize(x, 4, 128, True)
-    assert list(quant._COMPILED) == [("encode", 4, True, "nearest", "", "rank1")]
+    assert list(quant._COMPILED) == [(("encode", 4, True, "nearest", "", "rank1"), False)]
     quant.set_compile("never")
     try:
         quant.quantize(x.abs(), 4, 128, False)
-        assert ("encode", 4, False, "nearest", "", "rank1") not in quant._COMPILED
+        assert all(k[0] != ("encode", 4, False, "nearest", "", "rank1") for k in quant._COMPILED)
     finally:
         quant.set_compile("auto")
+
+
+def test_small_chunks_run_a_kernel_compiled_for_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk under PARALLEL_MIN_ELEMENTS runs a twin compiled with ``cpp.threads=1`` (no OpenMP
+    region to wait in on busy cores); a larger one the kernel with the default thread count."""
+    built: list[dict | None] = []
+
+    def fake_compile(fn, options=None):
+        built.append(options)
+        return fn
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(quant, "_COMPILED", {})
+    monkeypatch.setattr(quant, "PARALLEL_MIN_ELEMENTS", 1000)
+    quant.set_compile("always")
+    try:
+        small, large = torch.randn(16, 32), torch.randn(64, 32)  # 512 and 2048 elements
+        for x in (small, small, large, large):
+            quant.dequantize(quant.quantize(x, 8, 32, True), x.shape, 8, 32, True)
+    finally:
+        quant.set_compile("auto")
+    assert built == [{"cpp.threads": 1}, {"cpp.threads": 1}, None, None]  # encode, decode each
+    assert sorted(threaded for _, threaded in quant._COMPILED) == [False, False, True, True]
 
 
 def test_q5_packs_five_bit_planes_and_beats_q4() -> None:

@@ -16,8 +16,10 @@ def _figures(out: str) -> tuple[float, float, float]:
     return float(m.group(1)), float(m.group(2)), float(g.group(1))
 
 
-def test_store_mode_runs_every_kind_of_get(capsys: pytest.CaptureFixture[str]) -> None:
-    code = rss.main(["store", "--gets", "400", "--sample-every", "20", "--max-growth-mb", "10000", "-q"])
+@pytest.mark.parametrize("api", ["async", "sync"])
+def test_store_mode_runs_every_kind_of_get(api: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code = rss.main(["store", "--gets", "400", "--sample-every", "20", "--max-growth-mb", "10000", "-q",
+                     "--api", api])
     out = capsys.readouterr().out
     before, after, growth = _figures(out)
     assert code == 0 and "flat" in out and "store 400 gets" in out
@@ -48,3 +50,19 @@ def test_growth_past_the_limit_fails(capsys: pytest.CaptureFixture[str], monkeyp
 
 def test_rss_is_read_from_proc() -> None:
     assert rss.rss_bytes() > 1 << 20
+
+
+def test_a_deadline_stops_the_loop_with_a_last_sample(capsys: pytest.CaptureFixture[str]) -> None:
+    log = rss.RssLog(total=1000, every=10, warmup=5, quiet=True, unit="get")
+    assert not any(log.tick(i) for i in range(1, 21))
+    log.deadline = 0.0  # long past
+    assert log.tick(23) and log.stopped_at == 23 and log.samples[-1][0] == 23
+    log.report("store", max_growth_mb=10_000)
+    assert "stopped by --max-minutes after iteration 23 of 1000" in capsys.readouterr().out
+
+
+def test_max_minutes_stops_a_store_run(capsys: pytest.CaptureFixture[str]) -> None:
+    code = rss.main(["store", "--gets", "1000000", "--sample-every", "10", "--warmup", "0",
+                     "--max-minutes", "0.002", "--max-growth-mb", "10000", "-q"])
+    out = capsys.readouterr().out
+    assert code == 0 and "stopped by --max-minutes after iteration" in out

@@ -447,8 +447,11 @@ def _decode_matrix(rows: torch.Tensor, cols: torch.Tensor, packed: torch.Tensor,
 # a kernel on first use of a large chunk, or once its eager runs have covered
 # COMPILE_AFTER_ELEMENTS elements in this process (about a second of eager work: at 4.33M params
 # the moments of two AdamW steps), whichever comes first.
+# A chunk under PARALLEL_MIN_ELEMENTS runs a twin compiled for one thread: inductor's kernel opens
+# an OpenMP parallel region whatever the size, and on busy cores that region waits for a worker
+# the scheduler has not run yet, which made a 32 KiB chunk's decode 30x slower than eager.
 _Key = tuple[str, int, bool, str, str, str]
-_COMPILED: dict[_Key, Callable[..., Any]] = {}
+_COMPILED: dict[tuple[_Key, bool], Callable[..., Any]] = {}  # (kernel, threaded) -> compiled
 #: elements each kernel has run eagerly so far, towards COMPILE_AFTER_ELEMENTS
 _EAGER_ELEMENTS: dict[_Key, int] = {}
 #: rounding modes of the encoder; decoding is the same for all of them but "dither" (signed
@@ -456,6 +459,8 @@ _EAGER_ELEMENTS: dict[_Key, int] = {}
 MODES = ("nearest", "stochastic", "calibrated", "dither")
 COMPILE_MIN_ELEMENTS = 1 << 20
 COMPILE_AFTER_ELEMENTS = 1 << 23
+#: chunks with fewer elements run the single-threaded compiled kernel (a few hundred us of work)
+PARALLEL_MIN_ELEMENTS = 1 << 18
 _compile_mode = "auto"
 
 
@@ -487,7 +492,8 @@ def _run(name: str, n: int, bits: int, signed: bool, mode: str, *args: torch.Ten
          smap: str = "", scales: str = "rank1") -> Any:
     """Run kernel ``name``, compiled when worth it; a failing compile falls back to eager."""
     key = (name, bits, signed, mode, smap, scales)
-    fn = _COMPILED.get(key)
+    threaded = n >= PARALLEL_MIN_ELEMENTS
+    fn = _COMPILED.get((key, threaded))
     if _compile_mode == "never" or (_compile_mode == "auto" and fn is None and n < COMPILE_MIN_ELEMENTS):
         done = _EAGER_ELEMENTS.get(key, 0)
         if _compile_mode == "never" or done < COMPILE_AFTER_ELEMENTS:
@@ -495,15 +501,17 @@ def _run(name: str, n: int, bits: int, signed: bool, mode: str, *args: torch.Ten
             return _eager(*key)(*args)
     if fn is None:
         # dynamo caches compiled variants per code object, and all variants share the code of
-        # ``_eager``'s closures: 4 widths x 2 modes x 3 roundings x 2 kernels overflow its
-        # default limit of 8, past which it silently runs eager. Raise it (never lower it).
+        # ``_eager``'s closures: 4 widths x 2 modes x 3 roundings x 2 kernels x 2 thread counts
+        # overflow its default limit of 8, past which it silently runs eager. Raise it (never
+        # lower it).
         limit = len(_COMPILED) + 8
         cfg = torch._dynamo.config
         field = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # torch < 2.6
         if getattr(cfg, field) < limit:
             setattr(cfg, field, limit)
         # not dynamic=True: that would make bits symbolic too and defeat vectorizing
-        fn = _COMPILED[key] = torch.compile(_eager(*key))
+        options = None if threaded else {"cpp.threads": 1}
+        fn = _COMPILED[key, threaded] = torch.compile(_eager(*key), options=options)
     for a in args:  # only the sizes vary between chunks
         for d in range(a.dim()):
             torch._dynamo.maybe_mark_dynamic(a, d)
@@ -513,8 +521,8 @@ def _run(name: str, n: int, bits: int, signed: bool, mode: str, *args: torch.Ten
         raise
     except Exception:
         # a host without a working C++ toolchain fails at the first call; eager is correct
-        _COMPILED[key] = _eager(*key)
-        return _COMPILED[key](*args)
+        fn = _COMPILED[key, threaded] = _eager(*key)
+        return fn(*args)
 
 
 def quantize(x: torch.Tensor, bits: int, block: int, signed: bool, name: str = "quant",
