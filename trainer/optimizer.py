@@ -156,7 +156,8 @@ class StoreAdamW:
 
     def _codecs(self, t: torch.Tensor) -> tuple[Any, Any]:
         # one policy for the whole project: small and 1-D tensors stay raw, v is unsigned,
-        # moments get stochastic rounding (tierstore.codecs.policy says why)
+        # moments get stochastic rounding but q4's m, nearest on the dynamic-exponent map
+        # (tierstore.codecs.policy says why)
         shape = tuple(t.shape)
         return (tierstore.codecs.choose_codec(self.moment_codec, shape, "exp_avg"),
                 tierstore.codecs.choose_codec(self.moment_codec, shape, "exp_avg_sq"))

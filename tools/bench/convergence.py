@@ -30,7 +30,7 @@ invocations. ``--grid`` is the standing one, recorded in ``docs/convergence/runs
 1.1M, 4.33M and 14.4M params x lr 1e-3, 3e-3 x seeds 0, 1 x fp32, q8, q4 (as the policy
 codes them), 300 steps, smallest first; ``--max-minutes M`` starts no run that would end after M minutes (by the time the same
 size and codec took before). ``--from-jsonl docs/convergence/runs.jsonl --markdown
-docs/convergence/README.md --png docs/convergence/curves.png`` regenerates the table and the
+docs/convergence/README.md --png docs/convergence_grid.png`` regenerates the table and the
 curves from the record.
 """
 
@@ -327,14 +327,14 @@ def report_jsonl(args: argparse.Namespace) -> int:
 MARKDOWN_HEAD = """# Convergence record
 
 Generated from `{record}` by `python -m tools.bench.convergence --from-jsonl {record}
---markdown docs/convergence/README.md --png docs/convergence/curves.png` (do not edit by hand).
+--markdown docs/convergence/README.md --png docs/convergence_grid.png` (do not edit by hand).
 Every row: runs of {steps} steps of `tools.bench.convergence` (byte-level Llama, AdamW betas
 (0.9, 0.95), weight decay 0.1, clipping 1.0, 5% warm-up, batch 8x128 bytes); `vs fp32` is the
 mean over seeds of the gap to the same seed's fp32 run (min..max over seeds); CPU seconds of
 one run at one torch thread on the machine each line of the record names. Codec specs, commits
 and loss curves are in the record.
 
-![loss curves](curves.png)
+![loss curves](../convergence_grid.png)
 
 """
 
