@@ -598,26 +598,3 @@ def test_new_formats_are_new_spec_values_and_old_specs_read_unchanged() -> None:
         codecs.get("q4", signed_map="log")
     with pytest.raises(tierstore.CodecError, match="scales must be one of"):
         codecs.from_spec({**old, "scales": "tiles"})
-
-
-def test_nearest_rounding_with_a_stochastic_zero_bin() -> None:
-    """rounding="nearest_stochastic_zero" (dynamic-exponent map only): nearest everywhere but
-    between zero and the smallest levels, where it is unbiased; it decodes as nearest does."""
-    codec = codecs.get("q4", signed_map="de", rounding="nearest_stochastic_zero")
-    nearest = codecs.get("q4", signed_map="de")
-    assert codecs.from_spec(codec.spec()) == codec and codec.spec()["rounding"] == "nearest_stochastic_zero"
-    x = torch.tensor([1.0, 0.5, -0.3, 0.05, 0.004, -0.002, 0.0005, 0.0])
-    torch.manual_seed(0)
-    draws = [torch.stack([x, torch.ones(8), torch.rand(8) * 0.5]) for _ in range(2000)]
-    ys = torch.stack([_round_trip(codec, d)[0] for d in draws])
-    small = x.abs() < 0.0055
-    # above the smallest level: exactly nearest's values; below it: 0 or +-0.0055, unbiased
-    assert torch.equal(ys[:, ~small], _round_trip(nearest, draws[0])[0][~small].expand(2000, -1))
-    vals = ys[:, small].abs()
-    assert bool(((vals == 0) | ((vals - 0.0055).abs() < 1e-6)).all())
-    assert torch.allclose(ys.mean(0)[small], x[small], atol=2e-4), ys.mean(0)
-    assert float(_round_trip(nearest, draws[0])[0][4]) == pytest.approx(0.0055)  # nearest
-    assert float(_round_trip(nearest, draws[0])[0][5]) == 0.0  # held at zero by nearest
-    for bad in ({"signed_map": None}, {"signed": False}):
-        with pytest.raises(tierstore.CodecError, match="nearest_stochastic_zero"):
-            codecs.get("q4", **{"signed_map": "de", "rounding": "nearest_stochastic_zero", **bad})

@@ -19,9 +19,9 @@ The rule (documented in one place so the trainer and ``tierstore inspect`` agree
   scales). Stochastic rounding keeps ``m`` unbiased, but ``m`` is re-coded every step and keeps
   about 1 / (1 - beta1**2) steps of its rounding noise, which made q4's update ~10% longer than
   fp32's; on the dynamic-exponent map nearest rounding left it within 1% of fp32's length and
-  raised its cosine to fp32's update (``tools.bench.moment_stats``, docs/codecs.md). Its small
-  levels (0.0055 of the scale and up) keep the swamping that nearest rounding causes on a
-  uniform grid to values that round to zero anyway.
+  raised its cosine to fp32's update (``tools.bench.moment_stats``, docs/codecs.md). It does not
+  meet the loss goal: runs with it end 1.4-2.7% below fp32's loss (docs/convergence), so the
+  trainer keeps it opt-in.
 """
 
 from __future__ import annotations

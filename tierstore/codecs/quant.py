@@ -294,26 +294,14 @@ def _signed_value(k: torch.Tensor, bits: int, smap: str, u: torch.Tensor | None)
     return y * y.abs() if smap == "sqrt" else y
 
 
-def _de_codes(yv: torch.Tensor, bits: int, u: torch.Tensor | None, zero_only: bool = False
-              ) -> torch.Tensor:
+def _de_codes(yv: torch.Tensor, bits: int, u: torch.Tensor | None) -> torch.Tensor:
     """Codes of signed values ``yv`` (in [-1, 1]) on the dynamic-exponent map: nearest level,
-    or with ``u`` stochastic between the two levels around each value, unbiased in value; with
-    ``zero_only`` too, stochastic only between zero and the smallest levels (+-0.0055 at q4),
-    nearest everywhere else."""
+    or with ``u`` stochastic between the two levels around each value, unbiased in value."""
     table = de_levels(bits)
-    if u is None or zero_only:
+    if u is None:
         codes = torch.zeros_like(yv)
         for lo, hi in zip(table[:-1], table[1:], strict=True):  # 2**bits - 1 fixed thresholds
             codes = codes + (yv > (lo + hi) / 2).to(yv.dtype)
-        if u is not None:
-            # a value below the smallest level rounds to it with the probability that keeps
-            # it unbiased, instead of to zero for good: an m re-coded every step would stay
-            # at zero while its per-step change is under half that level (signal swamping)
-            zero, first = table.index(0.0), table[table.index(0.0) + 1]
-            a = yv.abs()
-            up = (u < a / first).to(yv.dtype)
-            inner = torch.where(yv < 0, zero - up, zero + up)
-            codes = torch.where(a < first, inner, codes)
         return codes
     k = torch.zeros_like(yv)
     for level in table[1:-1]:  # the level at or below each value: 0 .. 2**bits - 2
@@ -347,8 +335,7 @@ def _encode_matrix(xm: torch.Tensor, bits: int, signed: bool, mode: str = "neare
         yc = torch.sqrt(y) if smap == "sqrt" else y
         neg = xm < 0  # not copysign: inductor's CPU code vectorizes torch.where
         if smap == "de":
-            codes = _de_codes(torch.where(neg, -y, y), bits, None if seed is None else _uniform(y, seed),
-                              zero_only=mode == "nearest_stochastic_zero")
+            codes = _de_codes(torch.where(neg, -y, y), bits, None if seed is None else _uniform(y, seed))
         elif seed is None:
             codes = ((torch.where(neg, -yc, yc) + 1.0) * half).round().clamp(0, npts - 1)
         elif mode == "dither":
@@ -466,7 +453,7 @@ _COMPILED: dict[_Key, Callable[..., Any]] = {}
 _EAGER_ELEMENTS: dict[_Key, int] = {}
 #: rounding modes of the encoder; decoding is the same for all of them but "dither" (signed
 #: only), whose decoder subtracts the dither again (see the module doc)
-MODES = ("nearest", "stochastic", "calibrated", "dither", "nearest_stochastic_zero")
+MODES = ("nearest", "stochastic", "calibrated", "dither")
 COMPILE_MIN_ELEMENTS = 1 << 20
 COMPILE_AFTER_ELEMENTS = 1 << 23
 _compile_mode = "auto"
@@ -548,9 +535,6 @@ def quantize(x: torch.Tensor, bits: int, block: int, signed: bool, name: str = "
         raise CodecError(f"{name} rounding must be one of {MODES}, got {mode!r}")
     if mode == "dither" and (not signed or smap == "de"):
         raise CodecError(f"{name}: dithered rounding is for signed data on the sqrt or linear map")
-    if mode == "nearest_stochastic_zero" and (not signed or smap != "de"):
-        raise CodecError(f"{name}: rounding 'nearest_stochastic_zero' is for signed data on the "
-                         "dynamic-exponent map (signed_map='de')")
     smap = "" if smap is None or smap == default_map(bits) else smap
     nr, nc = matrix_shape(x.shape, block, scales)
     flat = x.reshape(-1).to(torch.float32)

@@ -37,10 +37,7 @@ FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 #: subtractive dither: nearest rounding after adding a pseudo-random offset that the decoder
 #: regenerates from the stored row maxima and subtracts, so the rounding error is independent of
 #: the value and half stochastic rounding's on average; chunks written with it decode only with it.
-#: "nearest_stochastic_zero" (signed, dynamic-exponent map only) is nearest rounding except
-#: between zero and the smallest levels, where it is stochastic: a small m is not held at zero.
-#: Its decoder is nearest's.
-ROUNDINGS = ("nearest", "stochastic", "calibrated", "dither", "nearest_stochastic_zero")
+ROUNDINGS = ("nearest", "stochastic", "calibrated", "dither")
 #: the scale layouts this version reads and writes (see ``quant``)
 SCALE_LAYOUTS = quant.SCALE_LAYOUTS
 
@@ -63,9 +60,6 @@ class QuantCodec(Codec):
         if rounding == "dither" and (not signed or signed_map == "de"):
             raise CodecError("rounding 'dither' is for signed data on the sqrt or linear map "
                              "(Adam's m); use 'stochastic' for the unsigned v")
-        if rounding == "nearest_stochastic_zero" and (not signed or signed_map != "de"):
-            raise CodecError("rounding 'nearest_stochastic_zero' is for signed data on the "
-                             "dynamic-exponent map (signed_map='de')")
         if signed_map == quant.default_map(self.code_bits):
             signed_map = None  # the width's own map: the spec stays what older releases wrote
         self.signed, self.block, self.rounding, self.scales = signed, block, rounding, scales
