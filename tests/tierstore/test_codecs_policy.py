@@ -3,19 +3,41 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import tierstore
 from tierstore import codecs
-from tierstore.codecs.policy import SMALL_TENSOR_ELEMENTS, choose_codec
+from tierstore.codecs.policy import FIRST_MOMENT_PARAMS, SMALL_TENSOR_ELEMENTS, choose_codec
 
 
 def test_lossy_moments_get_signed_and_unsigned() -> None:
     shape = (256, 256)
     sr = {"rounding": "stochastic"}
-    assert choose_codec("q4", shape, "exp_avg") == codecs.get("q4", signed=True, **sr)
+    assert choose_codec("q8", shape, "exp_avg") == codecs.get("q8", signed=True, **sr)
+    assert choose_codec("q2", shape, "exp_avg") == codecs.get("q2", signed=True, **sr)
     assert choose_codec("q4", shape, "exp_avg_sq") == codecs.get("q4", signed=False, **sr)
     assert choose_codec("q2", shape, "max_exp_avg_sq") == codecs.get("q2", signed=False, **sr)
+    assert choose_codec("q4", shape, "momentum_buffer") == codecs.get("q4", signed=True, **sr)
     assert choose_codec("q8", shape, "param") == codecs.get("q8")  # not a moment: nearest
+
+
+def test_q4_first_moment_gets_the_dynamic_exponent_map_with_nearest_rounding() -> None:
+    m = choose_codec("q4", (256, 256), "exp_avg")
+    assert m == codecs.get("q4", signed=True, rounding="nearest", signed_map="de")
+    assert FIRST_MOMENT_PARAMS["q4"] == {"rounding": "nearest", "signed_map": "de"}
+    # the spec names the map, so a reader that predates it refuses it by name, and the chunks
+    # written before (stochastic rounding on the width's own map) keep their own spec
+    assert m.spec() == {"name": "q4", "signed": True, "block": 128, "rounding": "nearest",
+                        "scales": "rank1", "signed_map": "de"}
+    old = codecs.from_spec({"name": "q4", "signed": True, "block": 128, "rounding": "stochastic",
+                            "scales": "rank1"})
+    x = torch.randn(64, 128)
+    assert torch.equal(old.decode(memoryview(old.encode(x).numpy()), (64, 128), torch.float32),
+                       codecs.get("q4", signed=True, rounding="nearest").decode(
+                           memoryview(old.encode(x).numpy()), (64, 128), torch.float32))
+    # an explicit instance is kept as built
+    mine = codecs.get("q4", signed=True, rounding="stochastic")
+    assert choose_codec(mine, (256, 256), "exp_avg") is mine
 
 
 def test_small_and_1d_tensors_stay_raw() -> None:

@@ -127,8 +127,9 @@ def test_moments_go_through_the_configured_codec(dataset: Any, tmp_path: Any) ->
         try:
             tr.train()
             big = tr.store.info("opt/exp_avg_sq/model.layers.0.mlp.up_proj.weight").codec
+            big_m = tr.store.info("opt/exp_avg/model.layers.0.mlp.up_proj.weight").codec
             small = tr.store.info("opt/exp_avg/model.layers.0.input_layernorm.weight").codec["name"]
-            runs[comp] = ([e["loss"] for e in [e for e in tr.state.log_history if "loss" in e]], tr.store.get("model.norm.weight"), big, small)
+            runs[comp] = ([e["loss"] for e in [e for e in tr.state.log_history if "loss" in e]], tr.store.get("model.norm.weight"), big, small, big_m)
         finally:
             tr.close()
     assert runs["zstd"][2]["name"] == "zstd" and runs["zstd"][3] == "zstd"  # lossless: as asked
@@ -139,6 +140,9 @@ def test_moments_go_through_the_configured_codec(dataset: Any, tmp_path: Any) ->
     assert runs["q4"][2] == {"name": "q4", "signed": False, "block": 128, "rounding": "stochastic",
                              "scales": "rank1"}
     assert runs["q4"][3] == "raw"
+    # q4: m on the dynamic-exponent map with nearest rounding (codecs.policy.FIRST_MOMENT_PARAMS)
+    assert runs["q4"][4] == {"name": "q4", "signed": True, "block": 128, "rounding": "nearest",
+                             "scales": "rank1", "signed_map": "de"}
     raw_losses, q4_losses = runs["raw"][0], runs["q4"][0]
     assert raw_losses[0] == q4_losses[0]  # the first step reads no moments
     assert q4_losses != raw_losses  # later steps do, through the lossy codec

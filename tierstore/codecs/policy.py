@@ -13,7 +13,15 @@ The rule (documented in one place so the trainer and ``tierstore inspect`` agree
   change is under half a quantization step never moves (signal swamping). Measured with
   ``tools.bench.convergence --seeds 3`` (1.1M-param Llama, 300 steps, lr 1e-3): q2 nearest
   ended +26% above fp32's loss, q2 stochastic -0.3%. A ``Codec`` instance keeps the parameters
-  it was built with: whoever built it chose them.
+  it was built with: whoever built it chose them;
+* Adam's first moment (``exp_avg``) under ``q4`` is the exception: the 4-bit optimizer paper's
+  coding (``FIRST_MOMENT_PARAMS``: dynamic-exponent map, round-to-nearest, with the rank-1
+  scales). Stochastic rounding keeps ``m`` unbiased, but ``m`` is re-coded every step and keeps
+  about 1 / (1 - beta1**2) steps of its rounding noise, which made q4's update ~10% longer than
+  fp32's; on the dynamic-exponent map nearest rounding left it within 1% of fp32's length and
+  raised its cosine to fp32's update (``tools.bench.moment_stats``, docs/codecs.md). It does not
+  meet the loss goal: runs with it end 1.4-2.7% below fp32's loss (docs/convergence), so the
+  trainer keeps it opt-in.
 """
 
 from __future__ import annotations
@@ -30,6 +38,11 @@ SMALL_TENSOR_ELEMENTS = 4096
 UNSIGNED_ROLES = frozenset({"exp_avg_sq", "max_exp_avg_sq"})
 #: roles re-quantized after every optimizer step, which get stochastic rounding
 MOMENT_ROLES = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"})
+#: per codec name, the parameters Adam's first moment gets instead of stochastic rounding on the
+#: width's own map (see the module doc); a codec not named here codes ``exp_avg`` like the rest
+FIRST_MOMENT_PARAMS: dict[str, dict[str, str]] = {
+    "q4": {"rounding": "nearest", "signed_map": "de"},
+}
 
 
 def choose_codec(requested: str | Codec, shape: Sequence[int], role: str) -> Codec:
@@ -50,5 +63,7 @@ def choose_codec(requested: str | Codec, shape: Sequence[int], role: str) -> Cod
         params = {**codec.params(), "signed": role not in UNSIGNED_ROLES}
         if "rounding" in params and role in MOMENT_ROLES:
             params["rounding"] = "stochastic"
+        if role == "exp_avg":
+            params.update(FIRST_MOMENT_PARAMS.get(requested, {}))
         return get(requested, **params)
     return codec

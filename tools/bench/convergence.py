@@ -5,8 +5,8 @@ byte-level Llama (transformers ``LlamaConfig``, about 1.1M parameters at the def
 the Python standard library's sources with ``torch.optim.AdamW``; after every ``step()`` each
 parameter's ``exp_avg`` and ``exp_avg_sq`` are replaced by ``decode(encode(.))`` with the codec
 the trainer's policy picks for it (``tierstore.codecs.policy.choose_codec``: m signed, v
-unsigned, stochastic rounding, small and 1-D tensors raw; ``q4:nearest`` overrides the
-rounding), which is exactly "encode after the update, decode before the next".
+unsigned, stochastic rounding, except q4's m: nearest on the dynamic-exponent map; small and 1-D
+tensors raw; ``q4:stochastic`` overrides the rounding), which is exactly "encode after the update, decode before the next".
 
 Runs are paired: for each of ``--seeds`` seeds (initial weights and batch order) fp32 and every
 codec train from the same start on the same batches. Reported per codec: the final training
@@ -27,10 +27,10 @@ a grid cut short, or split over several processes, still reports what finished.
 The record: ``--runs-jsonl FILE`` also skips every run FILE already holds (same codec specs,
 size, lr, seed, steps, batch; ``tools.bench.convergence_runs``), so a grid grows run by run across
 invocations. ``--grid`` is the standing one, recorded in ``docs/convergence/runs.jsonl``:
-1.1M, 4.33M and 14.4M params x lr 1e-3, 3e-3 x seeds 0, 1 x fp32, q8, q4 with dithered ``m``
-and the same with ``m`` at q5, 300 steps, smallest first; ``--max-minutes M`` starts no run that would end after M minutes (by the time the same
+1.1M, 4.33M and 14.4M params x lr 1e-3, 3e-3 x seeds 0, 1 x fp32, q8, q4 (as the policy
+codes them), 300 steps, smallest first; ``--max-minutes M`` starts no run that would end after M minutes (by the time the same
 size and codec took before). ``--from-jsonl docs/convergence/runs.jsonl --markdown
-docs/convergence/README.md --png docs/convergence/curves.png`` regenerates the table and the
+docs/convergence/README.md --png docs/convergence_grid.png`` regenerates the table and the
 curves from the record.
 """
 
@@ -205,8 +205,9 @@ def plot_grid(cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]], p
 def cells_from_jsonl(path: str) -> dict[tuple[str, float], dict[str, list[dict[str, Any]]]]:
     """The grid cells of the runs in a ``--runs-jsonl`` file; seeds without an fp32 run are dropped."""
     by_seed: dict[tuple[str, float], dict[int, dict[str, dict[str, Any]]]] = {}
-    for r in convergence_runs.load(path):
-        by_seed.setdefault((r["size"], r["lr"]), {}).setdefault(r["seed"], {})[r["codec"]] = r
+    records = convergence_runs.load(path)
+    for r, name in zip(records, convergence_runs.labels(records), strict=True):
+        by_seed.setdefault((r["size"], r["lr"]), {}).setdefault(r["seed"], {})[name] = r
     cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]] = {}
     for key, seeds in by_seed.items():
         paired = {s: rs for s, rs in sorted(seeds.items()) if "fp32" in rs}
@@ -239,7 +240,7 @@ def report(cells: dict[tuple[str, float], dict[str, list[dict[str, Any]]]], firs
 GRID_SIZES = "128x4,256x4,384x6"
 GRID_LRS = "1e-3,3e-3"
 GRID_SEEDS = 2
-GRID_CODECS = "q8,q4:dither/stochastic,q4:dither/stochastic+m=q5"
+GRID_CODECS = "q8,q4"
 GRID_STEPS = 300
 DEFAULT_CODECS = "q8,q4,q3,q2,q4:nearest,q2:nearest"
 
@@ -326,14 +327,14 @@ def report_jsonl(args: argparse.Namespace) -> int:
 MARKDOWN_HEAD = """# Convergence record
 
 Generated from `{record}` by `python -m tools.bench.convergence --from-jsonl {record}
---markdown docs/convergence/README.md --png docs/convergence/curves.png` (do not edit by hand).
+--markdown docs/convergence/README.md --png docs/convergence_grid.png` (do not edit by hand).
 Every row: runs of {steps} steps of `tools.bench.convergence` (byte-level Llama, AdamW betas
 (0.9, 0.95), weight decay 0.1, clipping 1.0, 5% warm-up, batch 8x128 bytes); `vs fp32` is the
 mean over seeds of the gap to the same seed's fp32 run (min..max over seeds); CPU seconds of
 one run at one torch thread on the machine each line of the record names. Codec specs, commits
 and loss curves are in the record.
 
-![loss curves](curves.png)
+![loss curves](../convergence_grid.png)
 
 """
 

@@ -3,10 +3,11 @@
 The file (``docs/convergence/runs.jsonl`` in the repository) only grows: a run is appended
 when it ends, and a run whose *key* is already in the file is not run again, so a grid too long
 for one sitting fills in over several invocations, and ``--max-minutes`` may stop any of them.
-The key is everything that decides a run's numbers: the requested codec and the specs of the
-m and v codecs it resolves to (a changed codec format is a new key, never a stale match), the
-model's size, the learning rate, the seed, steps, batch and sequence length. The commit and the
-machine are recorded with each run but are not part of the key.
+The key is everything that decides a run's numbers: the specs of the m and v codecs the
+requested codec resolves to (a changed codec format is a new key, never a stale match; two
+requests that resolve to the same specs are the same run), the model's size, the learning rate,
+the seed, steps, batch and sequence length. The requested name, the commit and the machine are
+recorded with each run but are not part of the key; the reports group runs by ``labels``.
 
 Each line is appended with one ``write`` of the whole line and flushed before the next run
 starts; a line cut short by a crash is skipped on reading (and reported), never fatal.
@@ -22,10 +23,12 @@ import subprocess
 from collections.abc import Iterable
 from typing import Any
 
+from tierstore.errors import CodecError
+
 #: where the repository keeps the record
 DEFAULT_PATH = os.path.join("docs", "convergence", "runs.jsonl")
 #: the fields of a record that make up its key
-KEY_FIELDS = ("codec", "codec_specs", "hidden", "layers", "lr", "seed", "steps", "batch", "seq")
+KEY_FIELDS = ("codec_specs", "hidden", "layers", "lr", "seed", "steps", "batch", "seq")
 #: the shape a policy-resolved codec spec is recorded for (a 2-D weight the policy quantizes)
 SPEC_SHAPE = (256, 256)
 
@@ -40,6 +43,52 @@ def codec_specs(requested: str | None) -> dict[str, Any]:
     pair = moment_codec_pair(requested, SPEC_SHAPE)
     assert pair is not None, "a 256x256 tensor is always quantized under a lossy request"
     return {"m": pair[0].spec(), "v": pair[1].spec()}
+
+
+def label(record: dict[str, Any]) -> str:
+    """The name a record is reported under: its requested codec, or, where that request now
+    resolves to other codec specs (the policy's coding of the name changed since the run), the
+    request followed by the recorded parameters that differ, e.g. ``q4 (m rounding=stochastic,
+    signed_map=-)`` (``-``: absent). A request that no longer resolves keeps its name."""
+    codec = record["codec"]
+    if codec not in _CURRENT:
+        try:
+            _CURRENT[codec] = codec_specs(None if codec == "fp32" else codec)
+        except (ValueError, CodecError):
+            _CURRENT[codec] = None
+    now, then = _CURRENT[codec], record.get("codec_specs", {})
+    if now is None or now == then:
+        return codec
+    diffs = []
+    for role in sorted(set(now) | set(then)):
+        old, new = then.get(role, {}), now.get(role, {})
+        keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+        if keys:
+            diffs.append(f"{role} " + ", ".join(f"{k}={_plain(old.get(k, '-'))}" for k in keys))
+    return f"{codec} ({'; '.join(diffs)})"
+
+
+def _plain(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def labels(records: list[dict[str, Any]]) -> list[str]:
+    """``label`` of each record, except that a record whose specs are what a recorded request
+    resolves to now is reported under that request (the shortest one): the same coding recorded
+    under an explicit request and under the policy's short name is one row."""
+    names = [label(r) for r in records]
+    by_specs: dict[str, str] = {}
+    for r, name in zip(records, names, strict=True):
+        if name == r["codec"] and _CURRENT.get(name) is not None:
+            k = json.dumps(r.get("codec_specs", {}), sort_keys=True)
+            if k not in by_specs or len(name) < len(by_specs[k]):
+                by_specs[k] = name
+    return [by_specs.get(json.dumps(r.get("codec_specs", {}), sort_keys=True), name)
+            for r, name in zip(records, names, strict=True)]
+
+
+#: request -> the codec specs it resolves to in this process (None: it no longer resolves)
+_CURRENT: dict[str, dict[str, Any] | None] = {}
 
 
 def run_key(record: dict[str, Any]) -> str:
@@ -133,9 +182,9 @@ def markdown(records: list[dict[str, Any]], steps: int) -> str:
     the paired gap to the same seeds' fp32 runs (mean, min..max), CPU seconds per run."""
     runs = [r for r in records if r.get("steps") == steps]
     cells: dict[tuple[int, str, float], dict[str, dict[int, dict[str, Any]]]] = {}
-    for r in runs:
+    for r, name in zip(runs, labels(runs), strict=True):
         cell = cells.setdefault((r.get("params", 0), r["size"], float(r["lr"])), {})
-        cell.setdefault(r["codec"], {})[r["seed"]] = r  # a rerun of a key: the later line wins
+        cell.setdefault(name, {})[r["seed"]] = r  # a rerun of a key: the later line wins
     lines = ["| size | lr | run | seeds | train | vs fp32 | held-out | vs fp32 | CPU s/run |",
              "|---|---|---|---|---|---|---|---|---|"]
     for (_, size, lr), by_codec in sorted(cells.items()):

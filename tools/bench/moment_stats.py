@@ -1,7 +1,7 @@
 """Where coded Adam moments change the update: per-step statistics against fp32 AdamW.
 
 Run ``python -m tools.bench.moment_stats [--steps N] [--hidden H] [--codecs q8,q4,q3,q2]
-[--roundings nearest,stochastic]``. The model, data and AdamW settings are those of
+[--roundings policy,nearest,stochastic]``. The model, data and AdamW settings are those of
 ``tools.bench.convergence``; AdamW runs with fp32 moments, and on the *same* clipped gradients
 of every step each codec keeps a shadow pair of coded moments, updated as a coded run updates
 them (``m = beta1 * dec(enc(m)) + (1 - beta1) * g``, the update taken, then encoded again), so
@@ -137,8 +137,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--codecs", default="q8,q4,q3,q2",
                     help="comma-separated codec names, each optionally with +KEY=VALUE parameters of "
                          "m's codec or +m=NAME (tools.bench.moments.moment_codec_pair)")
-    ap.add_argument("--roundings", default="nearest,stochastic",
-                    help="comma-separated roundings, each tried with every codec")
+    ap.add_argument("--roundings", default="policy,nearest,stochastic",
+                    help="comma-separated roundings, each tried with every codec; policy: the "
+                         "rounding the trainer's policy gives each moment (tierstore.codecs.policy)")
     ap.add_argument("--parts", default="mv",
                     help="comma-separated: mv (both moments coded), m or v (only that one)")
     ap.add_argument("--hidden", type=int, default=128, help="model width")
@@ -153,7 +154,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="ablation: what v's stochastic rounding is unbiased in (the codecs: log2)")
     args = ap.parse_args(argv)
     # NAME+PARAMS with each rounding and part: NAME:ROUNDING[:PART]+PARAMS
-    configs = [c.partition("+")[0] + f":{r}" + ("" if part == "mv" else f":{part}")
+    configs = [c.partition("+")[0] + ("" if r == "policy" and part == "mv" else
+                                      ":" + ("" if r == "policy" else r))
+               + ("" if part == "mv" else f":{part}")
                + "".join(c.partition("+")[1:])
                for c in args.codecs.split(",") if c for r in args.roundings.split(",") if r
                for part in args.parts.split(",") if part]
