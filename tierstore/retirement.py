@@ -76,14 +76,15 @@ async def collect(store: AsyncStore, gens: dict[int, tuple[str, int, bool]]) -> 
         await store._run_delete(delete_folder, store, key, g)
 
 
-def drop_spare_folders(store: AsyncStore) -> None:
-    """Delete the folders kept for recycling (closing: they hold nothing anyone reads).
-
-    On the calling thread: a store dropped without close is closed by its finalizer after the
-    cyclic GC has already stopped its executors' threads (weakref callbacks run first).
-    """
+def take_spare_folders(store: AsyncStore) -> list[tuple[str, int]]:
+    """The (key, generation) folders kept for recycling, which the caller now deletes."""
     spares, store._spare_folders = store._spare_folders, {}
-    for key, (g, _) in spares.items():
+    return [(key, g) for key, (g, _) in spares.items()]
+
+
+def delete_folders(store: AsyncStore, folders: list[tuple[str, int]]) -> None:
+    """``delete_folder`` for each (key, generation)."""
+    for key, g in folders:
         delete_folder(store, key, g)
 
 

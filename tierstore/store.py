@@ -67,10 +67,10 @@ from tierstore.reads import ReadPath
 from tierstore.records import Commit, GenRecord, TensorInfo
 from tierstore.retirement import (
     collect,
-    delete_folder,
-    drop_spare_folders,
+    delete_folders,
     on_unpinned,
     retire_soon,
+    take_spare_folders,
 )
 from tierstore.settle import finish_despite_cancel, settle
 from tierstore.shards import ShardMap, plan_sharded
@@ -230,7 +230,10 @@ class AsyncStore(ReadPath):
                     pass  # left behind as orphans: the next writer open deletes them
             if self._spare_folders:
                 try:
-                    drop_spare_folders(self)
+                    # on this thread: a store dropped without close is closed by its finalizer
+                    # after the cyclic GC already stopped its executors' workers (weakref
+                    # callbacks run first)
+                    delete_folders(self, take_spare_folders(self))
                 except (StoreError, OSError):
                     pass  # orphans likewise
             self._closing = True
@@ -687,9 +690,7 @@ class AsyncStore(ReadPath):
             await collect(self, gone)  # after the transaction: see its docstring on leases
             # folders kept for recycling never outlive a commit: disk use after one is its
             # retained versions' (``keep_last``) and the head's
-            spares, self._spare_folders = self._spare_folders, {}
-            for key, (g, _) in spares.items():
-                await self._run_delete(delete_folder, self, key, g)
+            await self._run_delete(delete_folders, self, take_spare_folders(self))
         except (StoreError, OSError):
             pass  # left-over folders are orphans a later collection or reopen deletes
         self.tracer.span("commit", "store", t0, time.perf_counter(), version=commit.version)

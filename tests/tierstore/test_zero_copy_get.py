@@ -326,6 +326,16 @@ def test_writing_into_a_loan_of_a_chunk_changed_in_place_is_refused_too(tmp_path
         assert torch.equal(r.get("w"), x * 3) and not r.verify()
 
 
+async def _reads_back_intact(path, x: torch.Tensor, chunk: int) -> None:
+    """The last commit at ``path`` verifies and holds ``x`` under "w"."""
+    r = await tierstore.open_async(path, "r", chunk_bytes=chunk)
+    try:
+        assert not await r.verify()
+        assert torch.equal(await r.get("w"), x)
+    finally:
+        await r.close()
+
+
 def test_a_loan_taken_after_an_in_place_chunk_got_its_crc_but_before_its_write_is_refused(tmp_path) -> None:
     # A chunk changed in place takes its crc32c when the write-back reaches it; its write may
     # then wait (behind others, for the io threads). A loan taken and written into in between
@@ -354,16 +364,11 @@ def test_a_loan_taken_after_an_in_place_chunk_got_its_crc_but_before_its_write_i
                 await commit
             assert s.versions()[-1].version == v1  # nothing was published
             del lent
-            await s.put("w", x * 3)
+            await s.put("w", x * 3)  # clears the condition
             await s.commit()
         finally:
             await s.close()
-        r = await tierstore.open_async(tmp_path / "s", "r", chunk_bytes=CHUNK)
-        try:
-            assert not await r.verify()
-            assert torch.equal(await r.get("w"), x * 3)
-        finally:
-            await r.close()
+        await _reads_back_intact(tmp_path / "s", x * 3, CHUNK)
 
     asyncio.run(run())
 
@@ -410,15 +415,10 @@ def test_a_crc_the_write_back_takes_while_a_loan_is_written_never_replaces_the_l
                 writes.checksum = plain
             assert s.versions()[-1].version == v1
             del lent
-            await s.put("w", x * 3)
+            await s.put("w", x * 3)  # clears the condition
             await s.commit()
         finally:
             await s.close()
-        r = await tierstore.open_async(tmp_path / "s", "r", chunk_bytes=4 * n)
-        try:
-            assert not await r.verify()
-            assert torch.equal(await r.get("w"), x * 3)
-        finally:
-            await r.close()
+        await _reads_back_intact(tmp_path / "s", x * 3, 4 * n)
 
     asyncio.run(run())

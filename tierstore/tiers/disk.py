@@ -260,6 +260,15 @@ class DiskTier:
         """The file of shard ``s`` of a sharded generation (``tierstore.shards``)."""
         return os.path.join(self.generation_dir(key, generation), shard_key(grid, s))
 
+    def folders_of(self, key: str, generation: int, grid: ChunkGrid, chunks: range,
+                   shard: int = 0) -> set[str]:
+        """The generation's folder and every folder holding one of ``chunks``' files."""
+        if shard:
+            files = {self.shard_path(key, generation, grid, i // shard) for i in chunks}
+        else:
+            files = {self.chunk_path(key, generation, grid, i) for i in chunks}
+        return {os.path.dirname(f) for f in files} | {self.generation_dir(key, generation)}
+
     def make_dirs(self, key: str, generation: int, grid: ChunkGrid, chunks: range,
                   ledger: SyncLedger | None = None, shard: int = 0) -> list[str]:
         """Create the folders the chunks need; record each in ``ledger`` as it is made.
@@ -268,13 +277,7 @@ class DiskTier:
         created; on a failure part-way the ledger still holds the ones made.
         """
         created: list[str] = []
-        if shard:
-            files = {self.shard_path(key, generation, grid, i // shard) for i in chunks}
-        else:
-            files = {self.chunk_path(key, generation, grid, i) for i in chunks}
-        wanted = {os.path.dirname(f) for f in files}
-        wanted.add(self.generation_dir(key, generation))
-        for d in sorted(wanted):
+        for d in sorted(self.folders_of(key, generation, grid, chunks, shard)):
             parts: list[str] = []
             p = d
             while not os.path.isdir(p):
@@ -309,10 +312,8 @@ class DiskTier:
             os.rename(old, new)
         except OSError as e:
             raise DiskError(f"cannot rename {old} to {new}: {e.strerror}") from e
-        ledger.created(new)
-        for d in {os.path.dirname(self.chunk_path(key, new_gen, grid, i)) for i in range(grid.n_chunks)}:
-            if d != new:
-                ledger.created(d)
+        for d in self.folders_of(key, new_gen, grid, range(grid.n_chunks)):
+            ledger.created(d)
         ledger.prune()  # the old names are gone, as if deleted
 
     def write_file(self, path: str, parts: Sequence[Buffer], sync: bool) -> None:
