@@ -436,6 +436,8 @@ class ReadPath:
         reserved = buf is not None
         if buf is None:
             buf = torch.empty(n, dtype=torch.uint8)
+        else:
+            self._host.loading += n
         try:
             path, at = self._chunk_location(rec, i)
             assert self._read_sem is not None
@@ -446,6 +448,9 @@ class ReadPath:
             if reserved:
                 self._host.release(buf)
             raise
+        finally:
+            if reserved:
+                self._host.loading -= n
         self.stats_counters.reads_disk += 1
         self.stats_counters.bytes_read_disk += n + 4
         self.tracer.span("read", "disk", t0, time.perf_counter(), bytes=n)

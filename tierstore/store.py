@@ -299,6 +299,8 @@ class AsyncStore(ReadPath):
             # nobody writes yet are the room that comes soonest (tops up what is in flight)
             start_write_back(self)
             return None
+        if self._host.loading:
+            return None  # reads in flight land as clean chunks, which an allocation can evict
         failed = [t.exception() for ts in self._writes.values() for t in ts
                   if t.done() and not t.cancelled() and t.exception() is not None]
         if failed:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import errno
 import gc
+import threading
 
 import pytest
 import torch
@@ -134,3 +135,52 @@ def test_the_exception_audit_records_an_undocumented_escape(tmp_path, monkeypatc
     del audit.ESCAPED[start:]  # this test's escapes are on purpose
     assert [e.split(" raised")[0] for e in seen] == ["AsyncStore.commit", "Store.commit"]
     assert all("builtins.OSError: [Errno 5] bare" in e for e in seen)
+
+
+def test_a_wait_for_room_behind_reads_in_flight_waits_for_them(tmp_path) -> None:
+    """Seed 8300037: an update that needed room while the only dirty chunk was lent to another
+    open update raised ``BudgetError`` ("chunks wait to be written"), though reads in flight
+    held the rest of the budget and would land as clean, evictable chunks."""
+    opts = dict(ram_budget="256", chunk_bytes="64", device="cpu", device_budget=None, io_depth=1)
+    keys = ["u", "r0", "r1", "r2", "w"]
+
+    async def main() -> None:
+        s = await tierstore.open_async(tmp_path / "s", "w", **opts)
+        for i, k in enumerate(keys):
+            # 64 B: one chunk each; "w" updates through a scratch, as the seed's key did
+            await s.put(k, torch.arange(16.0) + i, "zstd" if k == "w" else "raw")
+        await s.commit()
+        await s.close()
+        s = await tierstore.open_async(tmp_path / "s", "a", **opts)
+        gate, read, u = threading.Event(), s._disk.read_chunk, None
+        try:
+            u = await s.begin_update("u")  # 64 B dirty, lent writable: neither written nor evicted
+
+            def held_read(*args, **kw):
+                assert gate.wait(10)
+                return read(*args, **kw)
+
+            s._disk.read_chunk = held_read
+            await s.prefetch(["r0", "r1", "r2"])  # each reserves its 64 B, then waits on the disk
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert s._host.used == 256
+            waiter = asyncio.ensure_future(s.begin_update("w"))
+            await asyncio.sleep(0.05)
+            assert not waiter.done()  # waits: it raised BudgetError here before
+            gate.set()
+            w = await asyncio.wait_for(waiter, 10)
+            w.value().add_(1)
+            await s.end_update(w)
+            await s.end_update(u)
+            u = None
+            for i, k in enumerate(keys):
+                assert torch.equal(await s.get(k), torch.arange(16.0) + i + (k == "w"))
+        finally:
+            gate.set()
+            s._disk.read_chunk = read
+            if u is not None:
+                await s.end_update(u)
+            await s.close()
+
+    asyncio.run(main())

@@ -97,6 +97,9 @@ class HostTier:
         self.fresh_buffers = 0
         #: dropped or evicted chunks whose buffers are still lent: counted until given back
         self._held: list[HostEntry] = []
+        #: bytes allocated for disk reads still running: each lands as a clean (evictable) chunk
+        #: or is released, so a wait for room while it is above 0 is not stuck
+        self.loading = 0
         self._freed = asyncio.Event()
         #: called when a reservation cannot wait any longer; returns a reason or None to wait
         self.explain_stuck: Callable[[], str | None] = lambda: None
@@ -236,6 +239,8 @@ class HostTier:
             else:
                 self.used -= old.data.numel()
         self._entries[cid] = HostEntry(data, dirty, adopted)
+        if not dirty:
+            self._freed.set()  # a clean chunk can be evicted: waiters for room try again
 
     def lookup(self, cid: ChunkId) -> torch.Tensor | None:
         """The chunk's payload if held (and mark it recently used)."""
