@@ -26,9 +26,10 @@ def test_store_mode_runs_every_kind_of_get(api: str, capsys: pytest.CaptureFixtu
     assert before > 10 and after > 10 and growth == pytest.approx(after - before, abs=0.11)  # each figure is rounded
 
 
-def test_trainer_mode_trains_and_samples(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("budgets", ["under", "fit"])
+def test_trainer_mode_trains_and_samples(capsys: pytest.CaptureFixture[str], budgets: str) -> None:
     code = rss.main(["trainer", "--steps", "3", "--sample-every", "1", "--save-steps", "2",
-                     "--max-growth-mb", "10000", "-q"])
+                     "--max-growth-mb", "10000", "-q", "--budgets", budgets])
     out = capsys.readouterr().out
     _figures(out)
     assert code == 0 and "trainer 3 steps" in out

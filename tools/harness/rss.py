@@ -1,6 +1,6 @@
 """rss: a memory-leak harness; runs a long loop and checks that the resident set stays flat.
 
-    python -m tools.harness.rss trainer --steps 50000 [--sample-every 500]
+    python -m tools.harness.rss trainer --steps 50000 [--sample-every 500] [--budgets fit]
     python -m tools.harness.rss store --gets 10000000 [--sample-every 100000] [--api sync]
 
 ``trainer`` trains a tiny Llama (2 layers, hidden 32, vocab 256) through the project's trainer on
@@ -104,8 +104,13 @@ class RssLog:
         return 0 if ok else 1
 
 
-def run_trainer(steps: int, log: RssLog, folder: str, save_steps: int) -> None:
-    """Train a tiny Llama for ``steps`` optimizer steps, sampling RSS at each step's end."""
+def run_trainer(steps: int, log: RssLog, folder: str, save_steps: int, budgets: str = "under") -> None:
+    """Train a tiny Llama for ``steps`` optimizer steps, sampling RSS at each step's end.
+
+    ``budgets``: "under" (the window holds under half the weights, the RAM tier a third of the
+    state: every step streams through the disk) or "fit" (both hold everything: the disk sees
+    only the commits, and a step is about 8x shorter, for runs long enough to show slow leaks).
+    """
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import trainer as mt
@@ -117,9 +122,12 @@ def run_trainer(steps: int, log: RssLog, folder: str, save_steps: int) -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     n_params = sum(p.numel() for p in model.parameters())
-    # the window holds under half the weights, the RAM tier a third of the state (16 B a parameter)
-    mt.init(offload_dir=os.path.join(folder, "store"), max_vram_gb=f"{4 * n_params * 45 // 100}B",
-            max_ram_gb=f"{16 * n_params // 3}B", optimizer_compression=True, device="cpu", keep_last=2)
+    if budgets == "under":  # under half the weights (4 B a parameter), a third of the state (16 B)
+        vram, ram = 4 * n_params * 45 // 100, 16 * n_params // 3
+    else:  # room for the weights and the state twice over (a commit keeps the last version)
+        vram, ram = 8 * n_params, 64 * n_params
+    mt.init(offload_dir=os.path.join(folder, "store"), max_vram_gb=f"{vram}B", max_ram_gb=f"{ram}B",
+            optimizer_compression=True, device="cpu", keep_last=2)
     # logging_steps bounds log_history, which the trainer keeps by design (transformers does too)
     args = mt.TrainingArguments(output_dir=folder, per_device_train_batch_size=2, learning_rate=2e-3,
                                 weight_decay=0.1, max_steps=steps, warmup_steps=3, max_grad_norm=1.0,
@@ -233,6 +241,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     tr = sub.add_parser("trainer", help="train a tiny Llama, sampling RSS every N steps")
     tr.add_argument("--steps", type=int, default=50_000, help="optimizer steps (default 50000)")
     tr.add_argument("--save-steps", type=int, default=500, help="a commit every this many steps (default 500)")
+    tr.add_argument("--budgets", choices=("under", "fit"), default="under",
+                    help="under: budgets under the weights and the state, every step streams through "
+                         "the disk (default); fit: both fit, the disk sees the commits only (faster)")
     st = sub.add_parser("store", help="a loop of gets on a small store, sampling RSS every N gets")
     st.add_argument("--gets", type=int, default=10_000_000, help="gets (default 10000000)")
     st.add_argument("--api", choices=("async", "sync"), default="async",
@@ -271,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         if args.mode == "trainer":
-            run_trainer(args.steps, log, folder, args.save_steps)
+            run_trainer(args.steps, log, folder, args.save_steps, args.budgets)
         else:
             (run_store_async if args.api == "async" else run_store)(args.gets, log, folder)
     finally:
