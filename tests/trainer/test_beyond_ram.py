@@ -21,9 +21,10 @@ import pytest
 
 MIB = 1 << 20
 #: the named allowance above baseline + budgets (measured: 86 MiB on the dev VM, whatever the
-#: number of layers: torch's kernels loaded by the first backward, the gradients of two layers and
-#: the optimizer's tensors, the store's threads and its catalog mapping)
-OVERHEAD = 120 * MIB
+#: number of layers, and up to 124 MiB in about 1 run in 5 under load: torch's kernels loaded by
+#: the first backward, the gradients of two layers and the optimizer's tensors, the store's
+#: threads and its catalog mapping, malloc's arenas)
+OVERHEAD = 136 * MIB
 RAM_BUDGET = 40 * MIB
 VRAM_BUDGET = 16 * MIB  # the device window; on the CPU it is RAM too, so it counts
 STEPS = 2
