@@ -300,7 +300,9 @@ class AsyncStore(ReadPath):
             start_write_back(self)
             return None
         if self._host.loading:
-            return None  # reads in flight land as clean chunks, which an allocation can evict
+            # reads in flight land as clean chunks, which an allocation can evict
+            self._host.wake_on_landing = True
+            return None
         failed = [t.exception() for ts in self._writes.values() for t in ts
                   if t.done() and not t.cancelled() and t.exception() is not None]
         if failed:

@@ -100,6 +100,10 @@ class HostTier:
         #: bytes allocated for disk reads still running: each lands as a clean (evictable) chunk
         #: or is released, so a wait for room while it is above 0 is not stuck
         self.loading = 0
+        #: set by ``explain_stuck`` when only reads in flight can make room (no write-back runs):
+        #: then the next clean landing wakes the waiters. Otherwise they wait for the write-back,
+        #: whose chunk is the one a plan needs last, not the read just landed (needed next)
+        self.wake_on_landing = False
         self._freed = asyncio.Event()
         #: called when a reservation cannot wait any longer; returns a reason or None to wait
         self.explain_stuck: Callable[[], str | None] = lambda: None
@@ -239,7 +243,8 @@ class HostTier:
             else:
                 self.used -= old.data.numel()
         self._entries[cid] = HostEntry(data, dirty, adopted)
-        if not dirty:
+        if not dirty and self.wake_on_landing:
+            self.wake_on_landing = False
             self._freed.set()  # a clean chunk can be evicted: waiters for room try again
 
     def lookup(self, cid: ChunkId) -> torch.Tensor | None:
