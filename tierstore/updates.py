@@ -206,19 +206,21 @@ def plan_ahead(store: AsyncStore) -> None:
     nxt = store._head.get(next(plan.upcoming()))
     ahead = min(budget // 8, max(nxt.stored_nbytes if nxt is not None else 0,
                                  store.config.chunk_bytes or 0, 1))
-    if store._host.used + ahead > budget and store._host.reclaimable() < ahead:
+    if store._host.used + ahead > budget and not store._host.reclaimable_at_least(ahead):
         start_write_back(store)
     want: list[str] = []
     seen = 0
+    # only the keys within ``ahead`` bytes: a walk further, on every update, would cost the
+    # whole plan each time its next keys are all held (a state that fits: quadratic a cycle)
     for key in plan.upcoming():
         rec = store._head.get(key)
         if rec is None or key in store._borrows:
             continue
-        seen += rec.stored_nbytes
-        if seen > ahead and want:
-            break
         if not all(store._host.holds((rec.generation, i)) for i in range(rec.grid.n_chunks)):
             want.append(key)
+        seen += rec.stored_nbytes
+        if seen >= ahead:
+            break
     if want:
         store._prefetch_keys(want, "host")
 

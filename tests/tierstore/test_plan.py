@@ -70,3 +70,33 @@ def test_bad_plans_are_refused_by_name(tmp_path) -> None:
             s.plan(["../x"])
         s.plan(["a"])
         s.plan(None)  # forgotten: least recently used again
+
+
+def test_reading_ahead_looks_at_the_next_keys_only_not_the_whole_plan(tmp_path, monkeypatch) -> None:
+    # a state that fits: every key ahead is held, so a walk until one is missing would visit the
+    # whole plan on every update (quadratic a cycle: seconds a step for a few hundred tensors)
+    n = 300
+    keys = [f"k{i:03d}" for i in range(n)]
+    looked = 0
+    real = AccessPlan.upcoming
+
+    def counted(self):
+        nonlocal looked
+        for k in real(self):
+            looked += 1
+            yield k
+
+    monkeypatch.setattr(AccessPlan, "upcoming", counted)
+    with tierstore.open(tmp_path / "s", "w", ram_budget=4 * n * 4096, chunk_bytes=4096,
+                        device="cpu", device_budget=None) as s:
+        for k in keys:
+            s.put(k, torch.zeros(1024))
+        s.plan(keys)
+        for _ in range(2):
+            for k in keys:
+                with s.update(k) as t:
+                    t.add_(1)
+        assert torch.equal(s.get(keys[0]), torch.full((1024,), 2.0))
+        assert s.stats()["bytes_read_disk"] == 0
+    # the next key of each update (the one-chunk read-ahead) and the key sizing it: not n per update
+    assert looked <= 4 * 2 * n, looked

@@ -227,12 +227,19 @@ class HostTier:
             out.sort(key=self.rank, reverse=True)  # stable: least recently used first among equals
         return out
 
-    def reclaimable(self) -> int:
-        """Bytes an allocation could get now without a write: free, spare, or clean and unlent."""
+    def reclaimable_at_least(self, nbytes: int) -> bool:
+        """Whether an allocation could get ``nbytes`` now without a write: free, spare, or clean
+        and unlent (counted only as far as needed)."""
         free = (self.budget - self.used) if self.budget is not None else 0
         free += sum(size * len(bufs) for size, bufs in self._spare.items())
-        return free + sum(e.data.numel() for e in self._entries.values()
-                          if not e.dirty and not e.updating and not e.borrowed())
+        if free >= nbytes:
+            return True
+        for e in self._entries.values():
+            if not e.dirty and not e.updating and not e.borrowed():
+                free += e.data.numel()
+                if free >= nbytes:
+                    return True
+        return False
 
     def insert(self, cid: ChunkId, data: torch.Tensor, dirty: bool, adopted: bool = False) -> None:
         """Insert a chunk whose buffer came from ``alloc``/``try_alloc`` (``adopted``: ``reserve``)."""
