@@ -7,6 +7,11 @@ which an LRU cache gets exactly wrong), writes back the dirty chunks needed last
 ahead along the plan. With state of ``S`` bytes in a budget of ``B`` a cycle then reads and
 writes ``S - B`` bytes, the minimum, instead of all of ``S``.
 
+Keys the workload reads more often than once a cycle (a model's weights: read by the forward
+pass, by the backward pass and by the update) are declared ``hot``: they are kept ahead of the
+rest, which cycles through the room they leave. A training step whose RAM holds its weights and
+its gradients then reads only the moments that do not fit, the fewest bytes its budget allows.
+
 The plan is a ``dict`` from key to position and a cursor (the position of the last plan key
 read or updated); the distance of a key is how many plan steps until it is needed again. Owned
 by the store's event loop thread.
@@ -24,7 +29,7 @@ from tierstore.keys import validate_key
 class AccessPlan:
     """A cyclic order of keys and where in it the workload is now."""
 
-    def __init__(self, keys: Sequence[str]) -> None:
+    def __init__(self, keys: Sequence[str], hot: Sequence[str] = ()) -> None:
         if isinstance(keys, str):
             raise StoreError("plan() takes a sequence of keys, not one key")
         self.keys = list(keys)
@@ -35,6 +40,12 @@ class AccessPlan:
                 raise StoreError(f"plan(): key {k!r} appears twice; a plan visits each key once a cycle")
             self.position[k] = i
         self.cursor = -1
+        if isinstance(hot, str):
+            raise StoreError("plan(hot=) takes a sequence of keys, not one key")
+        for k in hot:
+            validate_key(k)
+        #: keys read more often than once a cycle: kept in RAM ahead of the others
+        self.hot = frozenset(hot)
 
     def touch(self, key: str) -> bool:
         """``key`` is being read or updated now; False if it is not in the plan."""
@@ -51,6 +62,13 @@ class AccessPlan:
         if i is None:
             return math.inf
         return (i - self.cursor) % len(self.keys)
+
+    def rank(self, key: str | None) -> float:
+        """Eviction rank of a chunk of ``key`` (the highest goes first): below every other key
+        for a hot key, else its distance."""
+        if key in self.hot:
+            return -0.5
+        return self.distance(key)
 
     def upcoming(self) -> Iterator[str]:
         """The plan's keys from the next one on, once round (lazily: callers stop early)."""

@@ -426,15 +426,16 @@ class AsyncStore(ReadPath):
         """Start an update of ``key`` (``update`` pairs it with ``end_update``); the loan in ``.value()``."""
         return await updates.begin_update(self, key, chunked)
 
-    def plan(self, keys: Sequence[str] | None) -> None:
+    def plan(self, keys: Sequence[str] | None, hot: Sequence[str] = ()) -> None:
         """Declare the order in which the workload updates ``keys``, cycle after cycle (None: forget it).
 
         The RAM tier then evicts and writes back what the plan needs last, and reads ahead
         what it needs next, so that a cycle over state larger than the budget moves the
-        minimum of bytes (``tierstore.plan``). Keys need not exist yet.
+        minimum of bytes (``tierstore.plan``). Keys need not exist yet. ``hot``: keys read more
+        often than once a cycle (a model's weights), kept in RAM ahead of the others.
         """
         self._check_open()
-        updates.set_plan(self, keys)
+        updates.set_plan(self, keys, hot)
 
     async def begin_updates(self, keys: Sequence[str], *, chunked: bool = False) -> list[Update]:
         """``begin_update`` of several keys (in sorted order: two callers never wait on each other

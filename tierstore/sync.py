@@ -340,13 +340,15 @@ class Store:
         """Hint that ``keys`` will be read soon; loading starts in the background (``wait``: finish)."""
         self._running().run(self._a.prefetch(keys, to=to, wait=wait))  # type: ignore[arg-type]
 
-    def plan(self, keys: Sequence[str] | None) -> None:
+    def plan(self, keys: Sequence[str] | None, hot: Sequence[str] = ()) -> None:
         """Declare the order the workload updates ``keys`` in, cycle after cycle (None: forget it).
 
         Eviction and write-back then let go of what is needed last, and reads run ahead along
-        it: state larger than the RAM budget moves the minimum of bytes a cycle.
+        it: state larger than the RAM budget moves the minimum of bytes a cycle. ``hot``: keys
+        read more often than once a cycle (a model's weights), kept in RAM ahead of the others.
         """
-        self._running().call(self._a.plan, keys if keys is None or isinstance(keys, str) else list(keys))
+        as_list = (lambda ks: ks if ks is None or isinstance(ks, str) else list(ks))
+        self._running().call(self._a.plan, as_list(keys), as_list(hot))
 
     def mark_step(self) -> None:
         """Close a step of the access trace (the predictor learns the order)."""

@@ -180,17 +180,17 @@ async def end_update(store: AsyncStore, u: Update) -> None:
         raise
 
 
-def set_plan(store: AsyncStore, keys: Sequence[str] | None) -> None:
+def set_plan(store: AsyncStore, keys: Sequence[str] | None, hot: Sequence[str] = ()) -> None:
     """Make ``keys`` the store's update order (``None``: forget it); the RAM tier ranks by it."""
     if keys is None:
         store._plan = None
         store._host.rank = None
         return
-    plan = AccessPlan(keys)
+    plan = AccessPlan(keys, hot)
     gen_keys = store._gen_keys
 
     def rank(cid: tuple[int, int]) -> float:
-        return plan.distance(gen_keys.get(cid[0]))
+        return plan.rank(gen_keys.get(cid[0]))
 
     store._plan = plan
     store._host.rank = rank

@@ -154,10 +154,12 @@ class StoreAdamW:
         self._clip_scratch: torch.Tensor | None = None
         self._batch_groups: bool | None = None  # groups lent all at once (the state fits the budget)
         # the order of updates is known: the store evicts and writes back what comes last and
-        # reads ahead what comes next (state larger than the RAM budget moves the fewest bytes)
+        # reads ahead what comes next (state larger than the RAM budget moves the fewest bytes);
+        # the weights are read three times a step (forward, backward, update): kept first
         plan = getattr(store, "plan", None)
         if plan is not None:
-            plan([k for names in groups for n in names for k in (n, EXP_AVG + n, EXP_AVG_SQ + n)])
+            plan([k for names in groups for n in names for k in (n, EXP_AVG + n, EXP_AVG_SQ + n)],
+                 hot=[n for names in groups for n in names])
         self.busy_s = 0.0
         """Seconds of whole group updates: store reads and writes plus the arithmetic."""
 

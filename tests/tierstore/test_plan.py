@@ -100,3 +100,21 @@ def test_reading_ahead_looks_at_the_next_keys_only_not_the_whole_plan(tmp_path, 
         assert s.stats()["bytes_read_disk"] == 0
     # the next key of each update (the one-chunk read-ahead) and the key sizing it: not n per update
     assert looked <= 4 * 2 * n, looked
+
+
+def test_hot_keys_rank_below_every_plan_key_wherever_the_cycle_is() -> None:
+    p = AccessPlan(["w0", "m0", "w1", "m1"], hot=["w0", "w1"])
+    for cursor_key in ("w0", "m0", "w1", "m1"):
+        p.touch(cursor_key)
+        # evicted last: below the moments whatever their distance, the weights updated just now included
+        assert max(p.rank("w0"), p.rank("w1")) < min(p.rank("m0"), p.rank("m1"))
+    assert p.rank("not-in-plan") == float("inf") and p.rank(None) == float("inf")
+    assert AccessPlan(["w0", "m0"]).rank("w0") >= 0  # without hot, a weight is ranked by distance
+
+
+def test_hot_keys_are_checked_like_plan_keys(tmp_path) -> None:
+    with tierstore.open(tmp_path / "s", "w", device="cpu") as s:
+        with pytest.raises(StoreError, match="sequence"):
+            s.plan(["a"], hot="a")
+        with pytest.raises(InvalidKey):
+            s.plan(["a"], hot=["../x"])
