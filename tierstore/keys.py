@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 from tierstore.errors import InvalidKey
@@ -17,6 +18,18 @@ def validate_key(key: object) -> str:
     """Return ``key`` if it obeys the key rules, else raise InvalidKey saying which rule broke."""
     if not isinstance(key, str):
         raise InvalidKey(f"a key is a str, got {type(key).__name__}")
+    return _valid(key)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _valid(key: str) -> str:
+    """``key`` once ``_check`` passed (remembered: every store call checks its key; a refusal is not)."""
+    _check(key)
+    return key
+
+
+def _check(key: str) -> None:
+    """Raise InvalidKey if ``key`` breaks a key rule."""
     if not key:
         raise InvalidKey("the key is empty")
     if len(key.encode("utf-8")) > MAX_KEY_BYTES:
@@ -39,7 +52,6 @@ def validate_key(key: object) -> str:
             raise InvalidKey(f"key {key[:60]!r}...: segment {i} is {n} bytes long; a segment is a "
                              f"file name and may be at most {MAX_SEGMENT_BYTES} bytes; split it "
                              "with '/'")
-    return key
 
 
 def generation_relpath(key: str, generation: int) -> str:

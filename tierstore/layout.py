@@ -28,6 +28,8 @@ class ChunkGrid:
     split_dim: int
     #: chunk extent along ``split_dim``
     rows: int
+    #: ``n_chunks``, computed once (asked for per chunk on the hot path)
+    _n: int = dataclasses.field(default=-1, init=False, repr=False, compare=False)
 
     @classmethod
     def plan(cls, shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> ChunkGrid:
@@ -67,11 +69,16 @@ class ChunkGrid:
     @property
     def n_chunks(self) -> int:
         """Number of chunks (0 for an empty tensor)."""
-        if not self.shape:
-            return 1
-        if math.prod(self.shape) == 0:
-            return 0
-        return math.prod(self.shape[: self.split_dim]) * self.runs_per_prefix
+        n = self._n
+        if n < 0:
+            if not self.shape:
+                n = 1
+            elif math.prod(self.shape) == 0:
+                n = 0
+            else:
+                n = math.prod(self.shape[: self.split_dim]) * self.runs_per_prefix
+            object.__setattr__(self, "_n", n)
+        return n
 
     @property
     def chunk_numel(self) -> int:

@@ -31,6 +31,14 @@ class GenRecord:
     chunks: tuple[tuple[int, int], ...]
     #: inner chunks per shard file (``tierstore.shards``); 0 = one file per chunk (format 1)
     shard: int = 0
+    #: ``codec_obj``, built on first use (codecs are immutable): the hot path asks for it per update
+    _codec: Codec | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+
+    def moved(self, generation: int, chunks: tuple[tuple[int, int], ...]) -> GenRecord:
+        """This record as ``generation`` with ``chunks``: the same tensor, codec and layout."""
+        rec = GenRecord(self.key, generation, self.dtype, self.codec, self.grid, chunks, self.shard)
+        object.__setattr__(rec, "_codec", self._codec)
+        return rec
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -50,7 +58,11 @@ class GenRecord:
     @property
     def codec_obj(self) -> Codec:
         """The codec instance."""
-        return from_spec(self.codec)
+        c = self._codec
+        if c is None:
+            c = from_spec(self.codec)
+            object.__setattr__(self, "_codec", c)
+        return c
 
     @property
     def nbytes(self) -> int:

@@ -142,13 +142,23 @@ def split_flat(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return out
 
 
-async def begin_update(store: AsyncStore, key: str, chunked: bool) -> Update:
-    """Hold ``key`` for an update and lend its value: in place when it may be, else a scratch."""
+def touch_plan(store: AsyncStore, keys: Sequence[str]) -> None:
+    """``keys`` (in the caller's order) are updated now: move the plan's cursor past them and
+    look ahead once from there (a batch lent together is read now anyway)."""
+    plan = store._plan
+    if plan is not None and sum(plan.touch(k) for k in keys):
+        plan_ahead(store)
+
+
+async def begin_update(store: AsyncStore, key: str, chunked: bool, touched: bool = False) -> Update:
+    """Hold ``key`` for an update and lend its value: in place when it may be, else a scratch.
+
+    ``touched``: the caller moved the plan's cursor already (``touch_plan`` of a batch)."""
     store._check_writable()
     validate_key(key)
     store._record(key)  # KeyNotFound before waiting
-    if store._plan is not None and store._plan.touch(key):
-        plan_ahead(store)
+    if not touched:
+        touch_plan(store, (key,))
     await store._borrows.acquire(key, update=True)
     try:
         rec = store._record(key)
@@ -294,8 +304,7 @@ def lend_in_place(store: AsyncStore, rec: GenRecord, cow: dict[int, torch.Tensor
         else:
             buf = store._host.take_for_update((g, i), (new_gen, i))
         parts.append(buf[: rec.grid.span(i)[1] * dtype.itemsize].view(dtype))
-    new = dataclasses.replace(rec, generation=new_gen,
-                              chunks=tuple((nb, CRC_PENDING) for nb, _ in rec.chunks))
+    new = rec.moved(new_gen, tuple((nb, CRC_PENDING) for nb, _ in rec.chunks))
     store._gen_keys[new_gen] = rec.key
     store._head[rec.key] = new
     store._borrows.mark_in_place(rec.key)

@@ -153,6 +153,9 @@ class StoreAdamW:
         """Seconds of AdamW arithmetic."""
         self._clip_scratch: torch.Tensor | None = None
         self._batch_groups: bool | None = None  # groups lent all at once (the state fits the budget)
+        #: parameters whose moments this optimizer put or found: asked of the store once, not
+        #: every step (each question is a hop to the store's loop thread)
+        self._has_moments: set[str] = set()
         # the order of updates is known: the store evicts and writes back what comes last and
         # reads ahead what comes next (state larger than the RAM budget moves the fewest bytes);
         # the weights are read three times a step (forward, backward, update): kept first
@@ -258,6 +261,8 @@ class StoreAdamW:
         with contextlib.ExitStack() as stack:
             with self.lock:
                 for n in names:
+                    if step > 1 and n in self._has_moments:
+                        continue
                     if step == 1 or EXP_AVG + n not in self.store:
                         # a fresh run: moments start at zero whatever an old store holds
                         info = self.store.info(n)
@@ -265,6 +270,7 @@ class StoreAdamW:
                         mc, vc = self._codecs(zeros)
                         self.store.put(EXP_AVG + n, zeros, codec=mc)
                         self.store.put(EXP_AVG_SQ + n, zeros, codec=vc)
+                    self._has_moments.add(n)
                 many = getattr(self.store, "update_many", None)
                 if many is not None:  # one hop to the store's loop each way
                     lent = stack.enter_context(many(keys, chunked=True))
