@@ -6,8 +6,12 @@ and the window (together ``C`` bytes) hold across steps need not come from disk 
 weight byte saves two reads and a cached moment byte one, so the best cache holds weights first:
 at least ``2 W + M - 2 min(C, W) - min(max(0, C - W), M)`` bytes are read (no moments at step 1:
 they start at zero) and ``W + M`` written, ``W`` and ``M`` being the stored bytes of the weights and
-of the moments. Gradients held for clipping (``G`` bytes, all of them alive when backward ends)
-that do not fit in ``C`` must be written and read back once more: ``max(0, G - C)`` each way.
+of the moments. That holds when each group is updated right after its gradients are final (its
+weights are still cached from backward). Clipping needs every gradient first (``G`` bytes, all
+alive when backward ends): the updates then start after backward, reading ``W + M + G`` bytes of
+which the cache holds at most ``C``, so the update phase reads at least ``W + M + G - C`` (the
+weights and moments it needs but the gradients crowd out, or the gradients spilled), on top of
+forward's and backward's ``2 max(0, W - C)``; gradients beyond ``C`` are also written once.
 The CPU optimizer runs beside the next step, so a step's counted bytes hold some of the previous
 step's updates: compare averages over steps, not single steps.
 """
@@ -39,9 +43,11 @@ def minimum(weights: int, moments: int, ram_budget: int | None, window: int | No
         return 0, written  # everything can stay in RAM after it is first read
     cap = ram_budget + window
     read_m = 0 if first_step else moments
-    saved = 2 * min(cap, weights) + min(max(0, cap - weights), read_m)
     spill = max(0, held_grads - cap)
-    return 2 * weights + read_m - saved + spill, written + spill
+    if held_grads:  # the update phase starts after backward: everything it reads, less the cache
+        return 2 * max(0, weights - cap) + max(0, weights + read_m + held_grads - cap), written + spill
+    saved = 2 * min(cap, weights) + min(max(0, cap - weights), read_m)
+    return 2 * weights + read_m - saved, written
 
 
 def stored_bytes(store: Any, keys: Iterable[str]) -> int | None:

@@ -22,8 +22,15 @@ def test_minimum_and_moved() -> None:
     assert minimum(100, 40, None, 10) == (0, 140)
     # the cache beyond the weights saves one read per moment byte, not two
     assert minimum(100, 40, 110, 10, first_step=False) == (2 * 100 + 40 - 2 * 100 - 20, 140)
-    # gradients held for clipping beyond the cache are written and read back once
-    assert minimum(100, 40, 30, 10, held_grads=100) == (160 + 60, 140 + 60)
+    # clipping: the updates start after backward, when the cache holds at most C of the
+    # W + M + G bytes they read; gradients beyond the cache are written once too
+    assert minimum(100, 40, 30, 10, held_grads=100) == (2 * 60 + (100 + 40 + 100 - 40), 140 + 60)
+    # a cache that holds the weights: the moments and gradients beside them, less what is left
+    assert minimum(100, 40, 130, 10, held_grads=100) == (100 + 40 + 100 - 140, 140)
+    assert minimum(100, 40, 300, 10, held_grads=100) == (0, 140)  # all of it fits
+    # never less than without clipping: held gradients only take room
+    for ram in (0, 30, 90, 130, 200):
+        assert minimum(100, 40, ram, 10, held_grads=100)[0] >= minimum(100, 40, ram, 10)[0]
     before = {"bytes_read_disk": 5, "bytes_written_disk": 7, "bytes_h2d": 0, "bytes_d2h": 1}
     after = {"bytes_read_disk": 15, "bytes_written_disk": 27, "bytes_h2d": 3, "bytes_d2h": 1}
     assert moved(before, after) == {"io_disk_read_bytes": 10, "io_disk_written_bytes": 20,
