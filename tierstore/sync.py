@@ -347,8 +347,7 @@ class Store:
         it: state larger than the RAM budget moves the minimum of bytes a cycle. ``hot``: keys
         read more often than once a cycle (a model's weights), kept in RAM ahead of the others.
         """
-        as_list = (lambda ks: ks if ks is None or isinstance(ks, str) else list(ks))
-        self._running().call(self._a.plan, as_list(keys), as_list(hot))
+        self._running().call(self._a.plan, _listed(keys), _listed(hot))
 
     def mark_step(self) -> None:
         """Close a step of the access trace (the predictor learns the order)."""
@@ -441,3 +440,8 @@ class Store:
             _close_and_stop(loop, self._a)
         except StoreError:
             pass
+
+
+def _listed(keys: Sequence[str] | None) -> Any:
+    """``keys`` as a list made on the calling thread (None and a lone str as they are: refused there)."""
+    return keys if keys is None or isinstance(keys, str) else list(keys)

@@ -154,7 +154,7 @@ def test_bench_optimizer_measures_the_same_update_on_both_sides(tmp_path, capsys
     assert "equal on both sides: yes" in out
     store_row = next(line for line in out.splitlines() if line.startswith("store: StoreAdamW"))
     math_s, store_s, faults, read_mib, written_mib = (float(x) for x in store_row.split()[4:9])
-    assert store_s > 0 and math_s >= 0  # the split of the store's step
+    assert store_s >= 0 and math_s >= 0  # the split of the store's step (a tiny state: well under 1 ms)
     # the state fits the budget: updated in place, no disk traffic in a step
     assert read_mib == 0 and written_mib == 0
     assert "the minimum is 0" in out

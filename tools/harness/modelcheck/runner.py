@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import errno
 import gc
@@ -405,8 +406,29 @@ class Runner:
             for p in (lent if op.chunked else [lent]):
                 p.reshape(-1)[: (p.numel() + 1) // 2].fill_(7)
 
+        @contextlib.asynccontextmanager
+        async def lend_async(a: tierstore.AsyncStore) -> Any:
+            if not op.many:
+                async with a.update(op.key, chunked=op.chunked) as lent:
+                    yield lent
+                return
+            us = await a.begin_updates([op.key], chunked=op.chunked)
+            try:
+                yield us[0].value()
+            finally:
+                await a.end_updates(us)
+
+        @contextlib.contextmanager
+        def lend_sync(s: tierstore.Store) -> Any:
+            if not op.many:
+                with s.update(op.key, chunked=op.chunked) as lent:
+                    yield lent
+                return
+            with s.update_many([op.key], chunked=op.chunked) as lents:
+                yield lents[0]
+
         async def run_async(a: tierstore.AsyncStore) -> None:
-            async with a.update(op.key, chunked=op.chunked) as lent:
+            async with lend_async(a) as lent:
                 body(lent)
                 scribble(lent)
                 try:
@@ -416,7 +438,7 @@ class Runner:
                     write(lent)  # cancelled or not, the block leaves the new value
 
         def run_sync(s: tierstore.Store) -> None:
-            with s.update(op.key, chunked=op.chunked) as lent:
+            with lend_sync(s) as lent:
                 body(lent)
                 scribble(lent)
                 time.sleep(0.0005)
