@@ -447,6 +447,7 @@ class AsyncStore(ReadPath):
             validate_key(key)
             self._record(key)
         updates.touch_plan(self, keys)
+        await updates.preload(self, keys)
         begun: dict[str, Update] = {}
         try:
             for key in sorted(keys):

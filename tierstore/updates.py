@@ -150,6 +150,32 @@ def touch_plan(store: AsyncStore, keys: Sequence[str]) -> None:
         plan_ahead(store)
 
 
+async def preload(store: AsyncStore, keys: Sequence[str]) -> None:
+    """Read the chunks of ``keys`` that lend in place but are not in RAM, all at once.
+
+    A batch is lent key by key in sorted order (two callers never wait on each other in a
+    cycle), and each key waits for its own reads: without this the batch's reads would run one
+    key after another. Nothing is held here: a chunk evicted before its key is lent is read again.
+    """
+    host = store._host
+    wanted: list[tuple[GenRecord, int]] = []
+    for key in keys:
+        rec = store._head.get(key)
+        if rec is None or key in store._borrows or not in_place_ok(store, rec):
+            continue
+        wanted += [(rec, i) for i in range(rec.grid.n_chunks) if not host.holds((rec.generation, i))]
+    if len({rec.key for rec, _ in wanted}) < 2:
+        return  # one key reads its chunks together anyway
+    gens = {rec.generation for rec, _ in wanted}
+    for g in gens:
+        store._pins.pin(g)
+    try:
+        await asyncio.gather(*(store._load_chunk(rec, i, cache="yes") for rec, i in wanted))
+    finally:
+        for g in gens:
+            store._pins.unpin(g)
+
+
 async def begin_update(store: AsyncStore, key: str, chunked: bool, touched: bool = False) -> Update:
     """Hold ``key`` for an update and lend its value: in place when it may be, else a scratch.
 

@@ -21,14 +21,18 @@ def test_lossy_moments_get_signed_and_unsigned() -> None:
     assert choose_codec("q8", shape, "param") == codecs.get("q8")  # not a moment: nearest
 
 
-def test_q4_first_moment_gets_the_dynamic_exponent_map_with_nearest_rounding() -> None:
+def test_q4_first_moment_gets_subtractive_dither_on_the_square_root_map() -> None:
     m = choose_codec("q4", (256, 256), "exp_avg")
-    assert m == codecs.get("q4", signed=True, rounding="nearest", signed_map="de")
-    assert FIRST_MOMENT_PARAMS["q4"] == {"rounding": "nearest", "signed_map": "de"}
-    # the spec names the map, so a reader that predates it refuses it by name, and the chunks
-    # written before (stochastic rounding on the width's own map) keep their own spec
-    assert m.spec() == {"name": "q4", "signed": True, "block": 128, "rounding": "nearest",
-                        "scales": "rank1", "signed_map": "de"}
+    assert m == codecs.get("q4", signed=True, rounding="dither")
+    assert FIRST_MOMENT_PARAMS["q4"] == {"rounding": "dither"}
+    # the spec names the rounding (a dithered chunk decodes differently), so the chunks written
+    # before (nearest on the dynamic-exponent map, or stochastic) keep their own spec
+    assert m.spec() == {"name": "q4", "signed": True, "block": 128, "rounding": "dither", "scales": "rank1"}
+    before = codecs.from_spec({"name": "q4", "signed": True, "block": 128, "rounding": "nearest",
+                               "scales": "rank1", "signed_map": "de"})
+    x = torch.randn(64, 128)
+    assert torch.allclose(before.decode(memoryview(before.encode(x).numpy()), (64, 128), torch.float32), x,
+                          atol=0.2 * float(x.abs().max()))
     old = codecs.from_spec({"name": "q4", "signed": True, "block": 128, "rounding": "stochastic",
                             "scales": "rank1"})
     x = torch.randn(64, 128)

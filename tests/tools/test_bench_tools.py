@@ -224,14 +224,16 @@ def test_runs_record_labels_follow_the_codec_specs() -> None:
     """A request whose coding changed since its run is reported with the recorded parameters
     that differ; the same specs under an explicit request and a short name are one run."""
     q4 = convergence_runs.codec_specs("q4")
-    explicit = "q4:nearest/stochastic+signed_map=de"
+    explicit = "q4:dither/stochastic+signed_map=sqrt"
     assert convergence_runs.codec_specs(explicit) == q4
-    older = {**q4, "m": {k: v for k, v in q4["m"].items() if k != "signed_map"}}
-    older["m"]["rounding"] = "stochastic"
+    older = {**q4, "m": {**q4["m"], "rounding": "nearest", "signed_map": "de"}}
     records = [{"codec": "q4", "codec_specs": q4}, {"codec": explicit, "codec_specs": q4},
                {"codec": "q4", "codec_specs": older}, {"codec": "fp32", "codec_specs": {}}]
     assert convergence_runs.labels(records) == [
-        "q4", "q4", "q4 (m rounding=stochastic, signed_map=-)", "fp32"]
+        "q4", "q4", "q4 (m rounding=nearest, signed_map=de)", "fp32"]
+    # a coding recorded under an explicit request, adopted by the policy since: reported as "q4"
+    convergence_runs._CURRENT.clear()
+    assert convergence_runs.labels([{"codec": explicit, "codec_specs": q4}]) == ["q4"]
     head = {"hidden": 8, "layers": 1, "lr": 1e-3, "seed": 0, "steps": 3, "batch": 2, "seq": 16}
     assert convergence_runs.run_key({**records[0], **head}) == convergence_runs.run_key({**records[1], **head})
     assert convergence_runs.run_key({**records[0], **head}) != convergence_runs.run_key({**records[2], **head})

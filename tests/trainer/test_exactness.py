@@ -140,9 +140,9 @@ def test_moments_go_through_the_configured_codec(dataset: Any, tmp_path: Any) ->
     assert runs["q4"][2] == {"name": "q4", "signed": False, "block": 128, "rounding": "stochastic",
                              "scales": "rank1"}
     assert runs["q4"][3] == "raw"
-    # q4: m on the dynamic-exponent map with nearest rounding (codecs.policy.FIRST_MOMENT_PARAMS)
-    assert runs["q4"][4] == {"name": "q4", "signed": True, "block": 128, "rounding": "nearest",
-                             "scales": "rank1", "signed_map": "de"}
+    # q4: m with subtractive dither on q4's own map (codecs.policy.FIRST_MOMENT_PARAMS)
+    assert runs["q4"][4] == {"name": "q4", "signed": True, "block": 128, "rounding": "dither",
+                             "scales": "rank1"}
     raw_losses, q4_losses = runs["raw"][0], runs["q4"][0]
     assert raw_losses[0] == q4_losses[0]  # the first step reads no moments
     assert q4_losses != raw_losses  # later steps do, through the lossy codec

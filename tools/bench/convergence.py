@@ -5,7 +5,7 @@ byte-level Llama (transformers ``LlamaConfig``, about 1.1M parameters at the def
 the Python standard library's sources with ``torch.optim.AdamW``; after every ``step()`` each
 parameter's ``exp_avg`` and ``exp_avg_sq`` are replaced by ``decode(encode(.))`` with the codec
 the trainer's policy picks for it (``tierstore.codecs.policy.choose_codec``: m signed, v
-unsigned, stochastic rounding, except q4's m: nearest on the dynamic-exponent map; small and 1-D
+unsigned, stochastic rounding, except q4's m: subtractive dither on its own map; small and 1-D
 tensors raw; ``q4:stochastic`` overrides the rounding), which is exactly "encode after the update, decode before the next".
 
 Runs are paired: for each of ``--seeds`` seeds (initial weights and batch order) fp32 and every

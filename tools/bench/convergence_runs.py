@@ -51,12 +51,7 @@ def label(record: dict[str, Any]) -> str:
     request followed by the recorded parameters that differ, e.g. ``q4 (m rounding=stochastic,
     signed_map=-)`` (``-``: absent). A request that no longer resolves keeps its name."""
     codec = record["codec"]
-    if codec not in _CURRENT:
-        try:
-            _CURRENT[codec] = codec_specs(None if codec == "fp32" else codec)
-        except (ValueError, CodecError):
-            _CURRENT[codec] = None
-    now, then = _CURRENT[codec], record.get("codec_specs", {})
+    now, then = _resolved(codec), record.get("codec_specs", {})
     if now is None or now == then:
         return codec
     diffs = []
@@ -68,6 +63,16 @@ def label(record: dict[str, Any]) -> str:
     return f"{codec} ({'; '.join(diffs)})"
 
 
+def _resolved(codec: str) -> dict[str, Any] | None:
+    """What ``codec`` resolves to now (remembered in ``_CURRENT``); None if it no longer does."""
+    if codec not in _CURRENT:
+        try:
+            _CURRENT[codec] = codec_specs(None if codec == "fp32" else codec)
+        except (ValueError, CodecError):
+            _CURRENT[codec] = None
+    return _CURRENT[codec]
+
+
 def _plain(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
@@ -77,10 +82,14 @@ def labels(records: list[dict[str, Any]]) -> list[str]:
     resolves to now is reported under that request (the shortest one): the same coding recorded
     under an explicit request and under the policy's short name is one row."""
     names = [label(r) for r in records]
+    for r in records:  # the policy's name of each request ("q4" of "q4:dither/stochastic")
+        _resolved(r["codec"].partition(":")[0])
     by_specs: dict[str, str] = {}
-    for r, name in zip(records, names, strict=True):
-        if name == r["codec"] and _CURRENT.get(name) is not None:
-            k = json.dumps(r.get("codec_specs", {}), sort_keys=True)
+    # every request seen (recorded ones, and the policy's names they were made under) by what it
+    # resolves to now: runs of a coding the policy has since adopted are reported under its name
+    for name, now in _CURRENT.items():
+        if now is not None:
+            k = json.dumps(now, sort_keys=True)
             if k not in by_specs or len(name) < len(by_specs[k]):
                 by_specs[k] = name
     return [by_specs.get(json.dumps(r.get("codec_specs", {}), sort_keys=True), name)

@@ -33,7 +33,8 @@ FEATURES = (
     "adopt",  # puts with copy=False (the tensor's memory becomes the RAM tier's buffers)
     "lend",  # window gets with copy=False (the RAM tier's buffer lent), the last one held
     "update",  # update(): the lent value checked against the model, overwritten in place
-    "update_many",  # half the updates go through update_many() / begin_updates() (one batch)
+    "update_many",  # half the updates go through update_many() / begin_updates(), half of
+    #                 those a batch of two own keys (lent in sorted order, all or none)
     "finalize",  # barriers that drop the store in a reference cycle without close, collect it
     #              (on its own loop thread or the caller's) and reopen
     "restore",  # restore(): an own key's head made a random retained version's generation again
@@ -96,7 +97,9 @@ class Op:
     shard_rows: int = 0  # put: rows per shard file (0: the store's default)
     copy: bool = True  # put: False hands the tensor's memory over; get (device): False borrows
     chunked: bool = False  # update: lent as one flat view per chunk
-    many: bool = False  # update: through update_many() / begin_updates() with a batch of one
+    many: bool = False  # update: through update_many() / begin_updates()
+    key2: str = ""  # update (many): a second own key in the batch, updated to ``vid2`` (if it exists)
+    vid2: int = 0
     pick: int = 0  # restore: which retained version (modulo how many there are when it runs)
     lazy: bool = False  # put: written only when the budget or a commit needs it
 
@@ -114,6 +117,7 @@ class Op:
                 what += " lazy"
         elif k == "update":
             what = (f"update {self.key} -> v{self.vid}" + (" chunked" if self.chunked else "")
+                    + (f" + {self.key2} -> v{self.vid2}" if self.key2 else "")
                     + (" (update_many)" if self.many else ""))
         elif k == "restore":
             what = f"restore {self.key} to retained version #{self.pick} (modulo their count)"
@@ -221,9 +225,12 @@ def _actor_op(rng: random.Random, actor: int, is_async: bool, all_keys: list[str
     if r < 0.32 and "update" in feats and rng.random() < 0.4:
         # drawn only with the feature, so programs without it stay what their seeds gave before
         vids[0] += 1
-        # ``many`` from the value id, not the generator: programs keep what their seeds gave
+        # ``many`` and the batch from the value id, not the generator: programs keep their draws
         op = Op("update", actor, key, vid=vids[0], chunked=rng.random() < 0.5,
                 many="update_many" in feats and vids[0] % 2 == 1)
+        if op.many and vids[0] % 4 == 1:  # half of them a batch of two of the actor's keys
+            vids[0] += 1
+            op = dataclasses.replace(op, key2=own[(own.index(key) + 1) % len(own)], vid2=vids[0])
     elif r < 0.32:
         vids[0] += 1
         shape = _shape(rng)

@@ -366,14 +366,19 @@ class Runner:
         return _Call(run_async, run_sync, finish)
 
     def _prepare_update(self, op: Op) -> _Call:
-        """An update of an own key: the lent value must be one the model allows; it becomes ``op.vid``."""
+        """An update of an own key (and, in a batch of two, of a second one the model knows to
+        exist): each lent value must be one the model allows; it becomes the key's new value."""
         m = self.model
-        began = [False]
+        targets = [(op.key, op.vid)]
+        if op.key2 and ABSENT not in m.candidates(op.key2):  # else a KeyNotFound names neither
+            targets.append((op.key2, op.vid2))
+        keys = [k for k, _ in targets]
+        began: list[tuple[str, int]] = []
 
-        def body(lent: Any) -> None:
+        def body(key: str, vid: int, lent: Any) -> None:
             flat = lent if op.chunked else [lent.reshape(-1)]
             whole = torch.cat([p.reshape(-1) for p in flat]) if flat else None
-            cands = m.candidates(op.key)
+            cands = m.candidates(key)
 
             def same(v: int) -> bool:
                 want = m.tensor(v)
@@ -386,16 +391,16 @@ class Runner:
             ok = {v for v in cands if v != ABSENT and same(v)}
             if not ok:
                 got = "nothing" if whole is None else f"{whole.dtype}{list(whole.shape)} {whole[:6].tolist()}"
-                m.fail(f"{op.describe()} lent {got}, which no allowed value {sorted(cands)} equals")
+                m.fail(f"{op.describe()}: {key} lent {got}, which no allowed value {sorted(cands)} equals")
                 raise _Stop
-            m.narrow(op.key, ok)
+            m.narrow(key, ok)
             like = m.tensor(min(ok))
-            m.register(op.vid, tuple(like.shape), str(like.dtype).removeprefix("torch."))
-            m.write_begin(op.key, op.vid)
-            began[0] = True
+            m.register(vid, tuple(like.shape), str(like.dtype).removeprefix("torch."))
+            m.write_begin(key, vid)
+            began.append((key, vid))
 
-        def write(lent: Any) -> None:
-            new = m.tensor(op.vid).reshape(-1)
+        def write(vid: int, lent: Any) -> None:
+            new = m.tensor(vid).reshape(-1)
             at = 0
             for p in (lent if op.chunked else [lent.reshape(-1)]):
                 p.reshape(-1).copy_(new[at : at + p.numel()])
@@ -406,15 +411,24 @@ class Runner:
             for p in (lent if op.chunked else [lent]):
                 p.reshape(-1)[: (p.numel() + 1) // 2].fill_(7)
 
+        def begin_all(lents: list[Any]) -> None:
+            for (key, vid), lent in zip(targets, lents, strict=True):
+                body(key, vid, lent)
+                scribble(lent)
+
+        def write_all(lents: list[Any]) -> None:
+            for (_, vid), lent in zip(targets, lents, strict=True):
+                write(vid, lent)
+
         @contextlib.asynccontextmanager
         async def lend_async(a: tierstore.AsyncStore) -> Any:
             if not op.many:
                 async with a.update(op.key, chunked=op.chunked) as lent:
-                    yield lent
+                    yield [lent]
                 return
-            us = await a.begin_updates([op.key], chunked=op.chunked)
+            us = await a.begin_updates(keys, chunked=op.chunked)
             try:
-                yield us[0].value()
+                yield [u.value() for u in us]
             finally:
                 await a.end_updates(us)
 
@@ -422,37 +436,36 @@ class Runner:
         def lend_sync(s: tierstore.Store) -> Any:
             if not op.many:
                 with s.update(op.key, chunked=op.chunked) as lent:
-                    yield lent
+                    yield [lent]
                 return
-            with s.update_many([op.key], chunked=op.chunked) as lents:
-                yield lents[0]
+            with s.update_many(keys, chunked=op.chunked) as lents:
+                yield lents
 
         async def run_async(a: tierstore.AsyncStore) -> None:
-            async with lend_async(a) as lent:
-                body(lent)
-                scribble(lent)
+            async with lend_async(a) as lents:
+                begin_all(lents)
                 try:
-                    for _ in range(3):  # other actors run while the loan is half-written
+                    for _ in range(3):  # other actors run while the loans are half-written
                         await asyncio.sleep(0)
                 finally:
-                    write(lent)  # cancelled or not, the block leaves the new value
+                    write_all(lents)  # cancelled or not, the block leaves the new values
 
         def run_sync(s: tierstore.Store) -> None:
-            with lend_sync(s) as lent:
-                body(lent)
-                scribble(lent)
+            with lend_sync(s) as lents:
+                begin_all(lents)
                 time.sleep(0.0005)
-                write(lent)
+                write_all(lents)
 
         def finish(res: Any, exc: BaseException | None, cancelled: bool) -> None:
             if isinstance(exc, _Stop):
                 raise exc
             if exc is None and not cancelled:
-                m.write_end(op.key, op.vid, "done")
+                for key, vid in targets:
+                    m.write_end(key, vid, "done")
                 return
-            if began[0]:
-                m.write_end(op.key, op.vid, "unknown")
-            if isinstance(exc, KeyNotFound):
+            for key, vid in began:
+                m.write_end(key, vid, "unknown")
+            if isinstance(exc, KeyNotFound):  # only op.key may be absent (see targets)
                 if ABSENT not in m.candidates(op.key):
                     m.fail(f"{op.describe()} raised KeyNotFound but the key exists")
                 m.narrow(op.key, {ABSENT})
