@@ -442,16 +442,10 @@ class AsyncStore(ReadPath):
         in a cycle), returned in the order of ``keys``; all of them or, on an error, none."""
         if len(set(keys)) != len(keys):
             raise StoreError(f"update of {list(keys)}: a key appears twice")
-        self._check_writable()
-        for key in keys:  # KeyNotFound and bad keys before the plan's cursor moves
-            validate_key(key)
-            self._record(key)
-        updates.touch_plan(self, keys)
-        await updates.preload(self, keys)
         begun: dict[str, Update] = {}
         try:
             for key in sorted(keys):
-                begun[key] = await updates.begin_update(self, key, chunked, touched=True)
+                begun[key] = await self.begin_update(key, chunked=chunked)
         except BaseException:
             await self.end_updates(list(begun.values()))
             raise

@@ -142,49 +142,13 @@ def split_flat(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return out
 
 
-def touch_plan(store: AsyncStore, keys: Sequence[str]) -> None:
-    """``keys`` (in the caller's order) are updated now: move the plan's cursor past them and
-    look ahead once from there (a batch lent together is read now anyway)."""
-    plan = store._plan
-    if plan is not None and sum(plan.touch(k) for k in keys):
-        plan_ahead(store)
-
-
-async def preload(store: AsyncStore, keys: Sequence[str]) -> None:
-    """Read the chunks of ``keys`` that lend in place but are not in RAM, all at once.
-
-    A batch is lent key by key in sorted order (two callers never wait on each other in a
-    cycle), and each key waits for its own reads: without this the batch's reads would run one
-    key after another. Nothing is held here: a chunk evicted before its key is lent is read again.
-    """
-    host = store._host
-    wanted: list[tuple[GenRecord, int]] = []
-    for key in keys:
-        rec = store._head.get(key)
-        if rec is None or key in store._borrows or not in_place_ok(store, rec):
-            continue
-        wanted += [(rec, i) for i in range(rec.grid.n_chunks) if not host.holds((rec.generation, i))]
-    if len({rec.key for rec, _ in wanted}) < 2:
-        return  # one key reads its chunks together anyway
-    gens = {rec.generation for rec, _ in wanted}
-    for g in gens:
-        store._pins.pin(g)
-    try:
-        await asyncio.gather(*(store._load_chunk(rec, i, cache="yes") for rec, i in wanted))
-    finally:
-        for g in gens:
-            store._pins.unpin(g)
-
-
-async def begin_update(store: AsyncStore, key: str, chunked: bool, touched: bool = False) -> Update:
-    """Hold ``key`` for an update and lend its value: in place when it may be, else a scratch.
-
-    ``touched``: the caller moved the plan's cursor already (``touch_plan`` of a batch)."""
+async def begin_update(store: AsyncStore, key: str, chunked: bool) -> Update:
+    """Hold ``key`` for an update and lend its value: in place when it may be, else a scratch."""
     store._check_writable()
     validate_key(key)
     store._record(key)  # KeyNotFound before waiting
-    if not touched:
-        touch_plan(store, (key,))
+    if store._plan is not None and store._plan.touch(key):
+        plan_ahead(store)
     await store._borrows.acquire(key, update=True)
     try:
         rec = store._record(key)
@@ -244,6 +208,11 @@ def plan_ahead(store: AsyncStore) -> None:
                                  store.config.chunk_bytes or 0, 1))
     if store._host.used + ahead > budget and not store._host.reclaimable_at_least(ahead):
         start_write_back(store)
+    elif store._host.used + ahead <= budget and (
+            nxt is None or all(store._host.holds((nxt.generation, i)) for i in range(nxt.grid.n_chunks))):
+        # room to spare and the next key in RAM: nothing is urgent, the next update looks again
+        # (with state that fits, a walk on every update would only confirm what is held)
+        return
     want: list[str] = []
     seen = 0
     # only the keys within ``ahead`` bytes: a walk further, on every update, would cost the
