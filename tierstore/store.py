@@ -445,16 +445,21 @@ class AsyncStore(ReadPath):
         begun: dict[str, Update] = {}
         try:
             for key in sorted(keys):
-                begun[key] = await self.begin_update(key, chunked=chunked)
+                begun[key] = await updates.begin_update(self, key, chunked, joining=bool(begun))
         except BaseException:
             await self.end_updates(list(begun.values()))
             raise
         return [begun[k] for k in keys]
 
     async def end_updates(self, us: Sequence[Update]) -> None:
-        """``end_update`` of each of ``us`` (every one, even if an earlier one fails)."""
+        """``end_update`` of each of ``us`` (every one, even if an earlier one fails).
+
+        In-place loans end first: ending one needs no room, while an update through a scratch
+        encodes new chunks, which may wait for room that only the in-place loans' chunks (not
+        written while lent) can give.
+        """
         failure: BaseException | None = None
-        for u in us:
+        for u in sorted(us, key=lambda u: u.new is None):
             try:
                 await self.end_update(u)
             except BaseException as e:  # the others are still given back
@@ -640,10 +645,9 @@ class AsyncStore(ReadPath):
             raise StoreError(f"step must be an int or None, got {step!r}")
         assert self._commit_lock is not None and self._catalog is not None
         lock = self._commit_lock
-        await lock.acquire()
+        await self._borrows.lock_without_loans(lock)  # never publish half an update
         try:
             t0 = time.perf_counter()
-            await self._borrows.wait_no_in_place()  # never publish half an update
             # write-behind: what the budget has not made write yet is written now
             for rec in list(self._head.values()):
                 if rec.generation not in self._records and rec.generation not in self._writes:

@@ -59,6 +59,10 @@ class BorrowTable:
         self.in_place: set[str] = set()
         self._none_in_place = asyncio.Event()
         self._none_in_place.set()
+        #: commits waiting for the in-place loans to end: no new update starts meanwhile
+        self._commits_waiting = 0
+        self._no_commit_waiting = asyncio.Event()
+        self._no_commit_waiting.set()
 
     def __contains__(self, key: str) -> bool:
         return key in self._released
@@ -104,6 +108,34 @@ class BorrowTable:
         while self.in_place:
             await self._none_in_place.wait()
 
+    async def lock_without_loans(self, lock: asyncio.Lock) -> None:
+        """Acquire ``lock`` (the commit lock) at a moment no in-place loan is open.
+
+        Lending in place takes the commit lock, and a batch (``begin_updates``) lends key after
+        key: holding the lock while waiting for the loans to end would wait for a batch that
+        waits for the lock. So the lock is let go while loans are open, and updates not yet
+        started wait for this commit (``wait_no_commit``): it is not starved. Cancelled, it
+        holds nothing.
+        """
+        self._commits_waiting += 1
+        self._no_commit_waiting.clear()
+        try:
+            while True:
+                await lock.acquire()
+                if not self.in_place:
+                    return
+                lock.release()
+                await self.wait_no_in_place()
+        finally:
+            self._commits_waiting -= 1
+            if not self._commits_waiting:
+                self._no_commit_waiting.set()
+
+    async def wait_no_commit(self) -> None:
+        """Return once no commit waits for in-place loans to end (a new update starts after it)."""
+        while self._commits_waiting:
+            await self._no_commit_waiting.wait()
+
 
 @dataclasses.dataclass(slots=True, eq=False)
 class Update:
@@ -142,11 +174,17 @@ def split_flat(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return out
 
 
-async def begin_update(store: AsyncStore, key: str, chunked: bool) -> Update:
-    """Hold ``key`` for an update and lend its value: in place when it may be, else a scratch."""
+async def begin_update(store: AsyncStore, key: str, chunked: bool, joining: bool = False) -> Update:
+    """Hold ``key`` for an update and lend its value: in place when it may be, else a scratch.
+
+    ``joining``: the caller's batch holds loans already; it goes on past a waiting commit (which
+    waits for those loans), where a new update waits for the commit first.
+    """
     store._check_writable()
     validate_key(key)
     store._record(key)  # KeyNotFound before waiting
+    if not joining:
+        await store._borrows.wait_no_commit()
     if store._plan is not None and store._plan.touch(key):
         plan_ahead(store)
     await store._borrows.acquire(key, update=True)
@@ -298,7 +336,9 @@ def lend_in_place(store: AsyncStore, rec: GenRecord, cow: dict[int, torch.Tensor
             store.stats_counters.bytes_copied_on_write += buf.numel()
         else:
             buf = store._host.take_for_update((g, i), (new_gen, i))
-        parts.append(buf[: rec.grid.span(i)[1] * dtype.itemsize].view(dtype))
+        valid = rec.grid.span(i)[1] * dtype.itemsize
+        # a raw chunk's buffer is its payload exactly: slicing a tensor costs microseconds a chunk
+        parts.append((buf if buf.numel() == valid else buf[:valid]).view(dtype))
     new = rec.moved(new_gen, tuple((nb, CRC_PENDING) for nb, _ in rec.chunks))
     store._gen_keys[new_gen] = rec.key
     store._head[rec.key] = new

@@ -469,6 +469,8 @@ class Runner:
                 if ABSENT not in m.candidates(op.key):
                     m.fail(f"{op.describe()} raised KeyNotFound but the key exists")
                 m.narrow(op.key, {ABSENT})
+            elif len(targets) > 1 and not began and isinstance(exc, BudgetError):
+                pass  # two loans held at once may not fit the budget: the batch is refused whole
             elif not cancelled and not self._allowed(exc):  # type: ignore[arg-type]
                 self._unexpected(op, exc)  # type: ignore[arg-type]
 
