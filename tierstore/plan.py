@@ -25,6 +25,10 @@ from collections.abc import Iterator, Sequence
 from tierstore.errors import StoreError
 from tierstore.keys import validate_key
 
+#: eviction rank of a hot key: below every plan key's distance (0 for the key in use), so hot
+#: keys go only once nothing else can
+HOT_RANK = -0.5
+
 
 class AccessPlan:
     """A cyclic order of keys and where in it the workload is now."""
@@ -67,7 +71,7 @@ class AccessPlan:
         """Eviction rank of a chunk of ``key`` (the highest goes first): below every other key
         for a hot key, else its distance."""
         if key in self.hot:
-            return -0.5
+            return HOT_RANK
         return self.distance(key)
 
     def upcoming(self) -> Iterator[str]:

@@ -162,8 +162,8 @@ class StoreAdamW:
         # the weights are read three times a step (forward, backward, update): kept first
         plan = getattr(store, "plan", None)
         if plan is not None:
-            plan([k for names in groups for n in names for k in (n, EXP_AVG + n, EXP_AVG_SQ + n)],
-                 hot=[n for names in groups for n in names])
+            weights = [n for names in groups for n in names]
+            plan([k for n in weights for k in (n, EXP_AVG + n, EXP_AVG_SQ + n)], hot=weights)
         self.busy_s = 0.0
         """Seconds of whole group updates: store reads and writes plus the arithmetic."""
 
