@@ -21,7 +21,12 @@ def validate_key(key: object) -> str:
     return _valid(key)
 
 
-@functools.lru_cache(maxsize=1 << 16)
+#: keys remembered as valid: a trainer's state of a 70B model is about 3,000 keys; at the 512-byte
+#: key limit the memo holds under 6 MiB
+VALID_KEYS_REMEMBERED = 8192
+
+
+@functools.lru_cache(maxsize=VALID_KEYS_REMEMBERED)
 def _valid(key: str) -> str:
     """``key`` once ``_check`` passed (remembered: every store call checks its key; a refusal is not)."""
     _check(key)

@@ -244,10 +244,10 @@ def plan_ahead(store: AsyncStore) -> None:
     nxt = store._head.get(next(plan.upcoming()))
     ahead = min(budget // 8, max(nxt.stored_nbytes if nxt is not None else 0,
                                  store.config.chunk_bytes or 0, 1))
-    if store._host.used + ahead > budget and not store._host.reclaimable_at_least(ahead):
-        start_write_back(store)
-    elif store._host.used + ahead <= budget and (
-            nxt is None or all(store._host.holds((nxt.generation, i)) for i in range(nxt.grid.n_chunks))):
+    if store._host.used + ahead > budget:
+        if not store._host.reclaimable_at_least(ahead):
+            start_write_back(store)
+    elif nxt is None or all(store._host.holds((nxt.generation, i)) for i in range(nxt.grid.n_chunks)):
         # room to spare and the next key in RAM: nothing is urgent, the next update looks again
         # (with state that fits, a walk on every update would only confirm what is held)
         return

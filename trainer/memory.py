@@ -13,6 +13,9 @@ largest piece of the model, not by its size:
   largest tensor (the update is per tensor);
 - uncached chunk reads in flight: the store's read semaphore times the chunk size;
 - activations: the layer-boundary hidden states of one micro-batch plus one layer's autograd graph.
+
+Left out of the plan, fixed and small: the store's memo of checked keys
+(``tierstore.keys.VALID_KEYS_REMEMBERED`` keys, under 6 MiB) and one codec object per record.
 """
 
 from __future__ import annotations

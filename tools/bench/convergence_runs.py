@@ -82,12 +82,13 @@ def labels(records: list[dict[str, Any]]) -> list[str]:
     resolves to now is reported under that request (the shortest one): the same coding recorded
     under an explicit request and under the policy's short name is one row."""
     names = [label(r) for r in records]
-    for r in records:  # the policy's name of each request ("q4" of "q4:dither/stochastic")
-        _resolved(r["codec"].partition(":")[0])
+    # the records' requests and the policy's names they were made under ("q4" of
+    # "q4:dither/stochastic"), by what each resolves to now: runs of a coding the policy has
+    # since adopted are reported under its name
+    requests = {r["codec"] for r in records} | {r["codec"].partition(":")[0] for r in records}
     by_specs: dict[str, str] = {}
-    # every request seen (recorded ones, and the policy's names they were made under) by what it
-    # resolves to now: runs of a coding the policy has since adopted are reported under its name
-    for name, now in _CURRENT.items():
+    for name in sorted(requests):
+        now = _resolved(name)
         if now is not None:
             k = json.dumps(now, sort_keys=True)
             if k not in by_specs or len(name) < len(by_specs[k]):
