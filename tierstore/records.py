@@ -33,11 +33,17 @@ class GenRecord:
     shard: int = 0
     #: ``codec_obj``, built on first use (codecs are immutable): the hot path asks for it per update
     _codec: Codec | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    #: ``decoded_dtype``, ``nbytes`` and ``stored_nbytes`` once asked (per update and per
+    #: eviction decision on the hot path; each is a function of the immutable fields)
+    _decoded: torch.dtype | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _nbytes: int = dataclasses.field(default=-1, init=False, repr=False, compare=False)
+    _stored: int = dataclasses.field(default=-1, init=False, repr=False, compare=False)
 
     def moved(self, generation: int, chunks: tuple[tuple[int, int], ...]) -> GenRecord:
         """This record as ``generation`` with ``chunks``: the same tensor, codec and layout."""
         rec = GenRecord(self.key, generation, self.dtype, self.codec, self.grid, chunks, self.shard)
-        object.__setattr__(rec, "_codec", self._codec)
+        for name in ("_codec", "_decoded", "_nbytes"):  # functions of what did not change
+            object.__setattr__(rec, name, getattr(self, name))
         return rec
 
     @property
@@ -53,7 +59,11 @@ class GenRecord:
     @property
     def decoded_dtype(self) -> torch.dtype:
         """The dtype ``get`` returns."""
-        return self.codec_obj.decoded_dtype(self.torch_dtype)
+        d = self._decoded
+        if d is None:
+            d = self.codec_obj.decoded_dtype(self.torch_dtype)
+            object.__setattr__(self, "_decoded", d)
+        return d
 
     @property
     def codec_obj(self) -> Codec:
@@ -67,17 +77,23 @@ class GenRecord:
     @property
     def nbytes(self) -> int:
         """Logical bytes of the decoded tensor."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.decoded_dtype.itemsize
+        n = self._nbytes
+        if n < 0:
+            n = self.decoded_dtype.itemsize
+            for s in self.shape:
+                n *= s
+            object.__setattr__(self, "_nbytes", n)
+        return n
 
     @property
     def stored_nbytes(self) -> int:
         """Bytes on disk: payloads (scales included), 4-byte crc32c trailers, shard indexes."""
-        n = sum(n for n, _ in self.chunks) + 4 * len(self.chunks)
-        if self.shard:
-            n += -(-len(self.chunks) // self.shard) * (16 * self.shard + 4)
+        n = self._stored
+        if n < 0:
+            n = sum(n for n, _ in self.chunks) + 4 * len(self.chunks)
+            if self.shard:
+                n += -(-len(self.chunks) // self.shard) * (16 * self.shard + 4)
+            object.__setattr__(self, "_stored", n)
         return n
 
     def to_json(self) -> bytes:
