@@ -126,34 +126,37 @@ class StreamingEngine:
         weakref.finalize(self, self.drain.close_soon)
 
     # -- weights ---------------------------------------------------------------------------
-    def _prefetch(self, g: int, current: int) -> None:
-        """Hint group ``g`` while group ``current`` is held: to the device when both fit the window."""
+    def _hint(self, g: int, current: int) -> tuple[list[str], str] | None:
+        """The prefetch of group ``g`` while group ``current`` is held: to the device when both fit the window."""
         if not 0 <= g < len(self.groups):
-            return
+            return None
         if self.before_fetch is not None:
             self.before_fetch(g)  # never prefetch weights an update has yet to write
         both = self.read_bytes[g] + self.read_bytes[current]
         # A window too small for two pieces gets no double buffering: warm the RAM tier instead.
         to = "device" if self.window_bytes is None or both <= self.window_bytes else "host"
-        with self.lock:
-            self.store.prefetch(self.reads[g], to=to)
+        return self.reads[g], to
 
-    def _fetch(self, g: int, grad: bool) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    def _fetch(self, g: int, grad: bool, ahead: int | None = None
+               ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
         """Group ``g``'s weights from the device window, and the window tensors to hold meanwhile.
 
-        The window counts a tensor's bytes while the object it handed out is alive, so the
-        originals are held as long as their autograd leaves (aliases of the same memory) are.
+        ``ahead``: the group to prefetch next, started in the same hop to the store's loop once
+        ``g``'s reads are done (one hop a group, not one a tensor: each hop wakes the loop thread,
+        which on busy cores is scheduled late). The window counts a tensor's bytes while the
+        object it handed out is alive, so the originals are held as long as their autograd leaves
+        (aliases of the same memory) are.
         """
         t0 = time.perf_counter()
         if self.before_fetch is not None:
             self.before_fetch(g)
-        out, held = {}, []
+        hint = None if ahead is None else self._hint(ahead, g)
         with self.lock:
-            for name in self.reads[g]:
-                t = self.store.get(name, device=self.device)
-                held.append(t)
-                # Read-only: detach() shares the memory, and autograd never writes its leaves.
-                out[name] = t.detach().requires_grad_(grad) if grad else t
+            held = self.store.get_many(self.reads[g], device=self.device,
+                                       then_prefetch=[hint] if hint is not None else ())
+        # Read-only: detach() shares the memory, and autograd never writes its leaves.
+        out = {name: t.detach().requires_grad_(grad) if grad else t
+               for name, t in zip(self.reads[g], held, strict=True)}
         self._span(f"fetch {g}", "wait", t0)
         return out, held
 
@@ -225,8 +228,7 @@ class StreamingEngine:
         rng: list[Any] = []
         # Forward without autograd, keeping only the layer-boundary activations.
         with torch.no_grad():
-            w, held = self._fetch(0, grad=False)
-            self._prefetch(1, 0)
+            w, held = self._fetch(0, grad=False, ahead=1)
             rng.append(self._rng_state())
             t0 = time.perf_counter()
             cap = self._prelude(w, batch)
@@ -237,8 +239,7 @@ class StreamingEngine:
             boundary: list[torch.Tensor] = []
             boundary.append(h)
             for i in range(n_layers):
-                w, held = self._fetch(i + 1, grad=False)
-                self._prefetch(i + 2, i + 1)
+                w, held = self._fetch(i + 1, grad=False, ahead=i + 2)
                 rng.append(self._rng_state())
                 t0 = time.perf_counter()
                 h = self._layer(i, w, h, cap)
@@ -246,8 +247,7 @@ class StreamingEngine:
                 del w, held
                 boundary.append(h)
         # Norm + head + loss with autograd; their backward runs right away.
-        w, held = self._fetch(head_g, grad=True)
-        self._prefetch(n_layers, head_g)
+        w, held = self._fetch(head_g, grad=True, ahead=n_layers)
         x = boundary.pop().detach().requires_grad_()
         t0 = time.perf_counter()
         logits = self._head(w, x)
@@ -262,8 +262,7 @@ class StreamingEngine:
         sink(head_g, head_grads)
         # Layers in reverse: re-fetch, recompute with autograd, backprop the boundary gradient.
         for i in reversed(range(n_layers)):
-            w, held = self._fetch(i + 1, grad=True)
-            self._prefetch(i, i + 1)  # group i is layer i-1, or the prelude when i == 0
+            w, held = self._fetch(i + 1, grad=True, ahead=i)  # group i is layer i-1, or the prelude when i == 0
             x = boundary.pop().detach().requires_grad_()
             t0 = time.perf_counter()
             with torch.enable_grad(), self._rng(rng[i + 1]):
@@ -294,19 +293,16 @@ class StreamingEngine:
         batch = {k: v.to(self.device) for k, v in batch.items()}
         n_layers = len(self.parts.layers)
         with torch.no_grad():
-            w, held = self._fetch(0, grad=False)
-            self._prefetch(1, 0)
+            w, held = self._fetch(0, grad=False, ahead=1)
             cap = self._prelude(w, batch)
             del w, held
             h = cap.args[0]
             cap.args = (None, *cap.args[1:])
             for i in range(n_layers):
-                w, held = self._fetch(i + 1, grad=False)
-                self._prefetch(i + 2, i + 1)
+                w, held = self._fetch(i + 1, grad=False, ahead=i + 2)
                 h = self._layer(i, w, h, cap)
                 del w, held
-            w, held = self._fetch(n_layers + 1, grad=False)
-            self._prefetch(0, n_layers + 1)  # the next batch starts at the prelude again
+            w, held = self._fetch(n_layers + 1, grad=False, ahead=0)  # the next batch starts at the prelude again
             loss_sum = causal_lm_loss_sum(self._head(w, h), batch["labels"])
             del w, held
         return float(loss_sum), count_loss_tokens(batch["labels"])
