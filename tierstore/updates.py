@@ -33,11 +33,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tierstore.errors import LoanWritten
 from tierstore.keys import validate_key
 from tierstore.plan import AccessPlan
 from tierstore.records import CRC_PENDING, GenRecord
 from tierstore.retirement import forget_in_memory, retire_soon
 from tierstore.settle import finish_despite_cancel, settle
+from tierstore.tiers.disk import checksum
 from tierstore.writes import start_write_back
 
 if TYPE_CHECKING:
@@ -287,7 +289,7 @@ def lend_now(store: AsyncStore, key: str, chunked: bool) -> Update | None:
     """``begin_update``'s common case with nothing to wait for, lent without an await; else None.
 
     Nothing to wait for: the key is free, its chunks are all in RAM and nobody reads them (no
-    copy on write), no write of them is in flight, the commit lock is free, and no scratch is
+    copy on write), no write task of them is listed, the commit lock is free, and no scratch is
     needed. The waiting path would then do the same without ever suspending, through half a
     dozen coroutine frames a key (a training step lends every parameter and moment).
     """
@@ -298,7 +300,9 @@ def lend_now(store: AsyncStore, key: str, chunked: bool) -> Update | None:
     if rec is None or not in_place_ok(store, rec):
         return None
     g, n = rec.generation, rec.grid.n_chunks
-    if (n > 1 and not chunked) or store._pins.pinned(g) or not all(t.done() for t in store._writes.get(g, ())):
+    # any write task of the generation, even a finished one, takes the waiting path: it settles
+    # the tasks (a failed write's error is retrieved there, not left for asyncio to log)
+    if (n > 1 and not chunked) or store._pins.pinned(g) or store._writes.get(g):
         return None
     host = store._host
     for i in range(n):
@@ -346,9 +350,9 @@ async def begin_in_place(store: AsyncStore, rec: GenRecord, chunked: bool) -> Up
             async with store._commit_lock:  # the head is a commit's while it runs
                 # no await from here on: the loan starts whole or not at all
                 if all(store._host.holds((g, i)) for i in range(n)):
-                    scratch_buf = bufs.pop(-1, None)
-                    u = lend_in_place(store, rec, bufs, scratch_buf, chunked, dtype)
-                    bufs = {}
+                    u = lend_in_place(store, rec, {i: b for i, b in bufs.items() if i >= 0},
+                                      bufs.get(-1), chunked, dtype)
+                    bufs = {}  # the loan's now (a refused loan leaves them here: recycled)
                     return u
         finally:
             for buf in bufs.values():
@@ -361,6 +365,15 @@ def lend_in_place(store: AsyncStore, rec: GenRecord, cow: dict[int, torch.Tensor
                    scratch_buf: torch.Tensor | None, chunked: bool, dtype: torch.dtype) -> Update:
     """The no-await part of ``begin_in_place``: move (or copy) the chunks, swap the head."""
     g, n = rec.generation, rec.grid.n_chunks
+    host = store._host
+    for i, buf in cow.items():  # copied first: the check below reads what the update will hold
+        src = host.lookup((g, i))
+        assert src is not None
+        buf.copy_(src)
+    for i in range(n):
+        if host.was_lent((g, i)):
+            held = cow.get(i)
+            check_unchanged(store, rec, i, held if held is not None else host.lookup((g, i)))
     new_gen = store._next_gen
     store._next_gen += 1
     store._memory_only.add(new_gen)  # written, if ever, by the write-behind (``rewrite``)
@@ -368,10 +381,7 @@ def lend_in_place(store: AsyncStore, rec: GenRecord, cow: dict[int, torch.Tensor
     for i in range(n):
         if i in cow:
             buf = cow[i]
-            src = store._host.lookup((g, i))
-            assert src is not None
-            buf.copy_(src)
-            store._host.insert_for_update((new_gen, i), buf)
+            host.insert_for_update((new_gen, i), buf)
             store.stats_counters.bytes_copied_on_write += buf.numel()
         else:
             buf = store._host.take_for_update((g, i), (new_gen, i))
@@ -396,6 +406,27 @@ def lend_in_place(store: AsyncStore, rec: GenRecord, cow: dict[int, torch.Tensor
         for piece, part in zip(split_flat(u.scratch, [p.numel() for p in parts]), parts, strict=True):
             piece.copy_(part)
     return u
+
+
+def check_unchanged(store: AsyncStore, rec: GenRecord, i: int, data: torch.Tensor | None) -> None:
+    """LoanWritten if chunk ``i`` of ``rec`` (``data``, its bytes) no longer matches its crc32c.
+
+    For a chunk lent by ``get(copy=False)``: an in-place update gives its bytes a new generation
+    whose crc is taken only when it is written, so a write into the loan would otherwise be
+    carried into the update and the next commit unseen. Checked only for chunks that were
+    lent, so the training step's own loans cost nothing.
+    """
+    crc = rec.chunks[i][1]
+    if crc == CRC_PENDING:
+        late = store._late_crcs.get((rec.generation, i))
+        if late is None:
+            return  # no crc was ever taken of these bytes: nothing to compare with
+        crc = late
+    if data is not None and checksum([data.numpy()]) != crc:
+        raise LoanWritten(
+            f"chunk {i} of {rec.key!r} changed after it was stored: a tensor lent by get(copy=False) "
+            f"was written into. The update is refused and the last commit is intact; put or delete "
+            f"{rec.key!r} to go on", key=rec.key, chunk=i)
 
 
 async def begin_scratch(store: AsyncStore, rec: GenRecord, chunked: bool) -> Update:

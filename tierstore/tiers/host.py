@@ -277,6 +277,11 @@ class HostTier:
             e.root = e.data.numpy()
         return torch.from_numpy(e.root)
 
+    def was_lent(self, cid: ChunkId) -> bool:
+        """Whether the chunk's buffer has been lent (``lend``) since it got this id, loan alive or not."""
+        e = self._entries.get(cid)
+        return e is not None and e.root is not None
+
     def lent(self, cid: ChunkId) -> bool:
         """Whether the chunk is held and a tensor lent from its buffer is still alive."""
         e = self._entries.get(cid)
