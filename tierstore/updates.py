@@ -431,6 +431,9 @@ def check_unchanged(store: AsyncStore, rec: GenRecord, i: int, data: torch.Tenso
 
 async def begin_scratch(store: AsyncStore, rec: GenRecord, chunked: bool) -> Update:
     """Decode ``rec`` into a scratch buffer counted in the RAM budget (coded, sharded or large)."""
+    for i in range(rec.grid.n_chunks):  # a raw chunk over half the budget may have been lent too
+        if store._host.was_lent((rec.generation, i)):
+            check_unchanged(store, rec, i, store._host.lookup((rec.generation, i)))
     dtype = rec.decoded_dtype
     nbytes = max(1, rec.nbytes)
     # in the budget only where it leaves room for the encoded chunks it is turned into

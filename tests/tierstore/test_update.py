@@ -336,12 +336,13 @@ def test_a_batch_ends_its_in_place_loans_before_it_encodes(tmp_path) -> None:
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("lazy", [True, False])
-def test_an_update_refuses_a_chunk_written_through_a_loan_and_no_commit_holds_it(tmp_path, lazy) -> None:
+@pytest.mark.parametrize("lazy,n,budget", [(True, 19, "4MiB"), (False, 19, "4MiB"), (True, 10_000, "64KiB")])
+def test_an_update_refuses_a_chunk_written_through_a_loan_and_no_commit_holds_it(tmp_path, lazy, n, budget) -> None:
     # found by the model-based fuzz (seed 9810652): the in-place loan gave the scribbled bytes a
-    # new generation whose crc was taken from them, and the next commit published them
-    four = torch.full((19,), 4.0, dtype=torch.float16)
-    with _open(tmp_path / "s") as s:
+    # new generation whose crc was taken from them, and the next commit published them. A
+    # one-chunk tensor over half the budget (40 KB of 64 KiB) is updated through a scratch
+    four = torch.full((n,), 4.0, dtype=torch.float16 if n < 100 else torch.float32)
+    with _open(tmp_path / "s", budget=budget) as s:
         s.put("k", four, lazy=lazy)
         loan = s.get("k", device="cpu", copy=False)
         loan.fill_(7.0)  # forbidden: a loan is read-only
@@ -353,9 +354,10 @@ def test_an_update_refuses_a_chunk_written_through_a_loan_and_no_commit_holds_it
         if lazy:  # the put's chunk was never written: the commit that needs it is refused
             with pytest.raises(LoanWritten, match="'k'"):
                 s.commit()
-        s.put("k", four)  # what the error says to do
+        s.delete("k")  # what the error says to do (a put of it would first need the room
+        s.put("k", four)  # the changed chunk holds, which a budget this small does not have)
         with s.update("k") as t:
             t.add_(1.0)
         s.commit()
-    with _open(tmp_path / "s") as s:
+    with _open(tmp_path / "s", budget=budget) as s:
         assert torch.equal(s.get("k"), four + 1)
