@@ -35,8 +35,9 @@ class CorruptData(StoreError):
 class LoanWritten(StoreError):
     """Bytes the store holds changed after they were stored: a lent tensor was written into.
 
-    Raised by the write (and so the ``commit``) that needed them: a tensor lent by
-    ``get(copy=False)``, or handed over by ``put(copy=False)``, is read-only. Nothing is
+    Raised by the write (and so the ``commit``) that needed them, or by an update of the key,
+    which would carry them into a new generation: a tensor lent by ``get(copy=False)``, or
+    handed over by ``put(copy=False)``, is read-only. Nothing is
     written under the wrong checksum and the last commit is intact; a ``put`` or ``delete`` of
     the key replaces the changed bytes. ``key`` and ``chunk`` name them.
     """

@@ -279,7 +279,8 @@ class Store:
         A host tensor is the caller's own copy; a window tensor is shared: treat it as read-only.
         ``copy=False`` on a CPU window lends the RAM tier's buffer instead of copying it (raw
         codec, one chunk; else a copy as usual): read-only too, see ``AsyncStore.get`` (a write
-        into it makes the commit that needs the changed chunk raise ``LoanWritten``).
+        into it makes the commit that needs the changed chunk, or the key's next update, raise
+        ``LoanWritten``).
         A row gather of a committed sharded table whose pages are in the page cache is served on
         this thread without a hop to the loop (``AsyncStore.mapped_get``).
         """
