@@ -42,6 +42,7 @@ class Counters:
     lent: int = 0  # tensors lent from the RAM tier (get(copy=False)) instead of copied
     bytes_lent: int = 0
     updates: int = 0  # update() loans
+    updates_reused: int = 0  # of those, lent in the generation an earlier update made (no new one)
     bytes_copied_on_write: int = 0  # chunk bytes an update copied because a reader held them
     folders_recycled: int = 0  # generation folders renamed for a new generation, not remade
 

@@ -443,9 +443,11 @@ class AsyncStore(ReadPath):
         if len(set(keys)) != len(keys):
             raise StoreError(f"update of {list(keys)}: a key appears twice")
         begun: dict[str, Update] = {}
+        order = sorted(keys)
         try:
-            for key in sorted(keys):
-                begun[key] = await updates.begin_update(self, key, chunked, joining=bool(begun))
+            for key in order:
+                begun[key] = await updates.begin_update(self, key, chunked, joining=bool(begun),
+                                                        look_ahead=key == order[-1])
         except BaseException:
             await self.end_updates(list(begun.values()))
             raise
@@ -603,7 +605,7 @@ class AsyncStore(ReadPath):
             "prefetch_errors": c.prefetch_errors, "dirty_chunks": self._host.dirty_count(),
             "host_fresh_buffers": self._host.fresh_buffers, "lent": c.lent, "bytes_lent": c.bytes_lent,
             "host_lent_bytes": self._host.lent_bytes(), "updates": c.updates,
-            "bytes_copied_on_write": c.bytes_copied_on_write, "folders_recycled": c.folders_recycled,
+            "updates_reused": c.updates_reused, "bytes_copied_on_write": c.bytes_copied_on_write, "folders_recycled": c.folders_recycled,
             "mapped_gathers": self._mapped.served, "mapped_declined": self._mapped.declined,
             "predictor_dropped_reads": self._predictor.dropped, "trace_dropped_events": self.tracer.dropped,
         }

@@ -181,18 +181,20 @@ def split_flat(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return out
 
 
-async def begin_update(store: AsyncStore, key: str, chunked: bool, joining: bool = False) -> Update:
+async def begin_update(store: AsyncStore, key: str, chunked: bool, joining: bool = False,
+                       look_ahead: bool = True) -> Update:
     """Hold ``key`` for an update and lend its value: in place when it may be, else a scratch.
 
     ``joining``: the caller's batch holds loans already; it goes on past a waiting commit (which
-    waits for those loans), where a new update waits for the commit first.
+    waits for those loans), where a new update waits for the commit first. ``look_ahead``: act
+    on the plan from here (``plan_ahead``); a batch does once, at its last key.
     """
     store._check_writable()
     validate_key(key)
     store._record(key)  # KeyNotFound before waiting
     if not joining:
         await store._borrows.wait_no_commit()
-    if store._plan is not None and store._plan.touch(key):
+    if store._plan is not None and store._plan.touch(key) and look_ahead:
         plan_ahead(store)
     u = lend_now(store, key, chunked)
     if u is not None:
@@ -363,7 +365,12 @@ async def begin_in_place(store: AsyncStore, rec: GenRecord, chunked: bool) -> Up
 
 def lend_in_place(store: AsyncStore, rec: GenRecord, cow: dict[int, torch.Tensor],
                    scratch_buf: torch.Tensor | None, chunked: bool, dtype: torch.dtype) -> Update:
-    """The no-await part of ``begin_in_place``: move (or copy) the chunks, swap the head."""
+    """The no-await part of ``begin_in_place``: move (or copy) the chunks, swap the head.
+
+    A generation that only earlier updates have seen (``seen_only_by_updates``) is lent again
+    as it is: its bytes were never written, committed or read since, so no new generation is
+    needed to keep anyone's view (the common case of training state between two commits).
+    """
     g, n = rec.generation, rec.grid.n_chunks
     host = store._host
     for i, buf in cow.items():  # copied first: the check below reads what the update will hold
@@ -374,6 +381,8 @@ def lend_in_place(store: AsyncStore, rec: GenRecord, cow: dict[int, torch.Tensor
         if host.was_lent((g, i)):
             held = cow.get(i)
             check_unchanged(store, rec, i, held if held is not None else host.lookup((g, i)))
+    if not cow and scratch_buf is None and seen_only_by_updates(store, rec):
+        return lend_again(store, rec, chunked, dtype)
     new_gen = store._next_gen
     store._next_gen += 1
     store._memory_only.add(new_gen)  # written, if ever, by the write-behind (``rewrite``)
@@ -406,6 +415,40 @@ def lend_in_place(store: AsyncStore, rec: GenRecord, cow: dict[int, torch.Tensor
         for piece, part in zip(split_flat(u.scratch, [p.numel() for p in parts]), parts, strict=True):
             piece.copy_(part)
     return u
+
+
+def seen_only_by_updates(store: AsyncStore, rec: GenRecord) -> bool:
+    """Whether ``rec``'s bytes are an earlier in-place update's that only the RAM tier holds.
+
+    Made by an update (every crc pending), never written or being written (memory-only, every
+    chunk dirty, no write task listed), in no commit, and read by nobody now: no pin, no loan
+    (the caller checked those two), no copy up to the device in flight.
+    """
+    g = rec.generation
+    host = store._host
+    return (g in store._memory_only and g not in store._writes and g not in store._committed
+            and g not in store._deferred and g not in store._device_loads
+            and all(crc == CRC_PENDING for _, crc in rec.chunks)
+            and all(host.dirty_payload((g, i)) is not None for i in range(rec.grid.n_chunks)))
+
+
+def lend_again(store: AsyncStore, rec: GenRecord, chunked: bool, dtype: torch.dtype) -> Update:
+    """Lend ``rec``'s buffers writable as they are: the head stays ``rec``, its bytes change.
+
+    What referred to the old bytes goes: crcs a loan took of them (checked by the caller) and
+    the device window's copy.
+    """
+    g, n = rec.generation, rec.grid.n_chunks
+    parts = []
+    for i in range(n):
+        store._late_crcs.pop((g, i), None)
+        buf = store._host.take_for_update((g, i), (g, i))
+        valid = rec.grid.span(i)[1] * dtype.itemsize
+        parts.append((buf if buf.numel() == valid else buf[:valid]).view(dtype))
+    store._window.forget(g)
+    store._borrows.mark_in_place(rec.key)
+    store.stats_counters.updates_reused += 1
+    return Update(rec.key, rec, rec, parts, chunked=chunked)
 
 
 def check_unchanged(store: AsyncStore, rec: GenRecord, i: int, data: torch.Tensor | None) -> None:

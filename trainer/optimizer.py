@@ -133,7 +133,7 @@ def adamw_update_many_(params: list[torch.Tensor], grads: list[torch.Tensor], ex
     """``adamw_update_`` of every ``(param, grad, exp_avg, exp_avg_sq)``: one fused call for fp32 CPU lists."""
     if _FUSED is not None and all(t.device.type == "cpu" and t.dtype == torch.float32
                                   for ts in (params, grads, exp_avgs, exp_avg_sqs) for t in ts):
-        steps = [torch.tensor(float(step)) for _ in params]
+        steps = [torch.tensor(float(step))] * len(params)  # read by the kernel, never written
         _FUSED(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
                weight_decay=weight_decay, eps=h.eps, amsgrad=False, maximize=False)
         return
@@ -287,11 +287,15 @@ class StoreAdamW:
                         torch._foreach_mul_(grad, clip_coef)
                 else:
                     grad = [gs[j].reshape(-1)]
+                wd = 0.0 if n in self.no_decay else h.weight_decay
+                lists = by_wd.setdefault(wd, ([], [], [], []))
+                if len(params) == len(ms) == len(vs) == len(grad) == 1:  # one chunk each: as lent
+                    for dst, src in zip(lists, (params, grad, ms, vs), strict=True):
+                        dst.append(src[0])
+                    continue
                 # weights and moments of one shape usually share their chunks; where they do
                 # not (bf16 weights) each is cut where any of them has a chunk end: views only
                 bounds = _bounds(params, ms, vs, grad)
-                wd = 0.0 if n in self.no_decay else h.weight_decay
-                lists = by_wd.setdefault(wd, ([], [], [], []))
                 for dst, src in zip(lists, (params, grad, ms, vs), strict=True):
                     dst.extend(_cut(src, bounds))
             for wd, (ps, gl, ml, vl) in by_wd.items():

@@ -43,6 +43,8 @@ FEATURES = (
     #                 commit that needs the changed bytes may be refused (LoanWritten naming the
     #                 key), reads of the key may see them until it is put, deleted or reopened,
     #                 and no commit or reopen ever holds them
+    "update_again",  # a third of the updates are followed at once by another update of the same
+    #                  key (lent again in the generation the first one made, when nothing else saw it)
     "fork",  # an actor forks a child while the writer is open (the child exits at once, after a
     #          short sleep, or lives until the phase's barriers are done); the phase then ends
     #          with a close and reopen, run while a child may still live
@@ -299,6 +301,14 @@ def _faults(rng: random.Random, feats: set[str]) -> dict | None:
     return None
 
 
+def _again(op: Op, feats: set[str], vids: list[int]) -> list[Op]:
+    """``op``, and with ``update_again`` for a third of the updates another one of its key right after."""
+    if "update_again" not in feats or op.kind != "update" or op.key2 or op.vid % 3:
+        return [op]  # decided by the value id, not the generator: programs keep their draws
+    vids[0] += 1
+    return [op, dataclasses.replace(op, vid=vids[0], chunked=not op.chunked, many=False)]
+
+
 def generate(seed: int, features: tuple[str, ...] | None = None, max_phases: int = 3,
              max_ops: int = 6) -> Program:
     """The program of ``seed`` using only ``features`` (default: every feature without a KNOWN defect).
@@ -334,8 +344,8 @@ def generate(seed: int, features: tuple[str, ...] | None = None, max_phases: int
     for _ in range(rng.randint(1, max_phases)):
         ops = []
         for a, kind in enumerate(actors):
-            ops += [_actor_op(rng, a, kind == "async", all_keys, feats, vids)
-                    for _ in range(rng.randint(1, max_ops))]
+            for _ in range(rng.randint(1, max_ops)):
+                ops += _again(_actor_op(rng, a, kind == "async", all_keys, feats, vids), feats, vids)
         barriers = []
         r = rng.random()
         if "reopen" in feats and r < 0.3:
