@@ -17,9 +17,12 @@ Every chunk write checks the crc32c of the bytes it wrote against the one taken 
 stored (``write_file``'s ``checks``): a write into a tensor lent by ``get(copy=False)`` (or
 given to ``put(copy=False)``) fails that write with ``LoanWritten``, so the chunk stays dirty
 and no commit publishes it. One crc32c pass per chunk written, several times faster than the
-write it follows (two for a chunk changed in place: its crc32c is taken, then checked). Every
-write checks, with no exception for a crc32c just taken: taking it and writing are two moments,
-and a loan may be lent and written into between them.
+write it follows. Every write of a chunk that was ever lent, or is a caller's memory, checks,
+with no exception for a crc32c just taken: taking it and writing are two moments, and a loan
+may be lent and written into between them. A chunk found never lent once the write is done
+(``HostTier.untouched``, asked on the loop thread after the write) is not checked: nobody but
+the store had its bytes while they were written, and a loan lent after that point changes only
+the RAM copy, which the write has already left behind.
 """
 
 from __future__ import annotations
@@ -56,8 +59,10 @@ if TYPE_CHECKING:
 
 _SYNC_ON_WRITE_BYTES = 1 << 20  # larger files are fdatasync'd by the write-behind itself
 _SHARD_GROUP_BYTES = 4 << 20  # inner chunks of a shard written with one pwritev
-#: a chunk a write must find unchanged: (key, chunk index, its payload, the crc32c it was stored with)
-ChunkCheck = tuple[str, int, Any, int]
+#: a chunk a write must find unchanged: (key, chunk index, its payload, the crc32c it was stored
+#: with, its RAM-tier id: looked up once the write is done, it says whether anyone but the store
+#: could have written the payload meanwhile)
+ChunkCheck = tuple[str, int, Any, int, tuple[int, int]]
 
 
 def start_write_back(store: AsyncStore) -> bool:
@@ -269,7 +274,7 @@ async def write_generation(store: AsyncStore, key: str, gen: int, t: torch.Tenso
             group_at = at
         group_parts += [payload.numpy(), crc_trailer(crc)]
         group_cids.append((gen, i))
-        group_checks.append((key, i, payload.numpy(), crc))
+        group_checks.append((key, i, payload.numpy(), crc, (gen, i)))
         group_bytes += payload.numel() + TRAILER
         at += payload.numel() + TRAILER
         last = i % shard == shard - 1 or i == grid.n_chunks - 1  # the shard's last inner chunk
@@ -305,14 +310,15 @@ async def write_chunk(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, i:
                       overwrite: bool = False) -> None:
     """Write chunk ``i``'s file (payload + crc32c trailer); the RAM copy turns clean.
 
-    The payload must still match ``crc`` once written (``write_file``), always: even a crc just
-    taken from these bytes was taken before the write, and a loan may be written in between.
+    The payload must still match ``crc`` once written (``write_file``) if the chunk was lent
+    by then: even a crc just taken from these bytes was taken before the write, and a loan
+    may be written in between.
     ``overwrite``: over a recycled folder's file.
     """
     path = store._disk.chunk_path(key, gen, grid, i)
     data = payload.numpy()
     await write_file(store, path, [data, crc_trailer(crc)], (gen, i), after=after, sync=sync,
-                     checks=[(key, i, data, crc)], overwrite=overwrite)
+                     checks=[(key, i, data, crc, (gen, i))], overwrite=overwrite)
 
 
 async def make_dirs(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, shard: int = 0) -> None:
@@ -324,11 +330,9 @@ async def make_dirs(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, shar
         store._folder_grids[gen] = grid
 
 
-def _write_checked(store: AsyncStore, path: str, at: int | None, parts: list[Any], sync: bool,
-                   checks: Sequence[ChunkCheck], overwrite: bool) -> None:
-    """``write_at``, then each checked chunk's crc32c again: LoanWritten if its bytes changed (io thread)."""
-    store._disk.write_at(path, at, parts, sync, overwrite)
-    for key, i, data, crc in checks:
+def _check_written(checks: Sequence[ChunkCheck]) -> None:
+    """Each chunk's crc32c again: LoanWritten if its bytes changed since it was stored (io thread)."""
+    for key, i, data, crc, _ in checks:
         if checksum([data]) != crc:
             raise LoanWritten(
                 f"chunk {i} of {key!r} changed after it was stored: a tensor lent by get(copy=False) "
@@ -361,7 +365,12 @@ async def write_file(store: AsyncStore, path: str, parts: list[Any],
     sync = sync and n >= _SYNC_ON_WRITE_BYTES
     async with store._write_sem:
         t0 = time.perf_counter()
-        await store._run_io(_write_checked, store, path, at, parts, sync, checks, overwrite)
+        await store._run_io(store._disk.write_at, path, at, parts, sync, overwrite)
+        # only chunks that left the store's hands by now: never lent nor a caller's memory,
+        # nobody but the store had the bytes while they were written
+        lent = [c for c in checks if not store._host.untouched(c[4])]
+        if lent:
+            await store._run_io(_check_written, lent)
     if not sync:
         store._ledger.written(path)
     store.stats_counters.bytes_written_disk += n
@@ -431,7 +440,7 @@ async def rewrite(store: AsyncStore, rec: GenRecord, sync: bool = True) -> list[
             path = store._disk.shard_path(rec.key, rec.generation, rec.grid, s)
             data = payload.numpy()
             coros.append(write_file(store, path, [data, crc_trailer(crc)], (rec.generation, i), at=at,
-                                    sync=sync, checks=[(rec.key, i, data, crc)]))
+                                    sync=sync, checks=[(rec.key, i, data, crc, (rec.generation, i))]))
     if smap is not None:
         for s in range(shard_count(rec.grid, rec.shard)):
             members = shard_members(rec.grid, rec.shard, s)

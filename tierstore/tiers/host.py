@@ -254,6 +254,12 @@ class HostTier:
             self.wake_on_landing = False
             self._freed.set()  # a clean chunk can be evicted: waiters for room try again
 
+    def untouched(self, cid: ChunkId) -> bool:
+        """Whether only the store could have written the chunk's buffer: held, never lent since
+        it got this id, not a caller's memory (``put(copy=False)``)."""
+        e = self._entries.get(cid)
+        return e is not None and e.root is None and not e.adopted
+
     def lookup(self, cid: ChunkId) -> torch.Tensor | None:
         """The chunk's payload if held (and mark it recently used)."""
         e = self._entries.get(cid)

@@ -13,7 +13,8 @@ One "step" updates ``--tensors`` fp32 tensors of ``--params-m`` million paramete
 
 The two alternate for ``--repeats`` steps after one warm-up step each; the table shows the medians,
 the store's time split into AdamW's arithmetic and the store's own calls (``update``: lending the
-state and taking it back), the minor page faults of one store step (fresh pages), and its disk
+state and taking it back), the minor page faults of one store step (fresh pages) and the RAM tier's fresh buffers (not
+recycled from its spares), and its disk
 bytes against the minimum for the budget (0 when the state fits). Every byte over the
 in-memory time is store traffic: what the trainer's ``optimizer_s`` minus ``optimizer_math_s``
 shows per training step.
@@ -163,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timed = _Timed(store)
         opt = StoreAdamW(timed, [names], set(), a.codec, contextlib.nullcontext())
         step = [0]
-        split: list[tuple[float, float, int, int, int]] = []
+        split: list[tuple[float, float, int, int, int, int]] = []
 
         def store_step() -> None:
             step[0] += 1
@@ -173,7 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             st1 = store.stats()
             split.append((opt.update_s - math0, timed.store_s - s0, _faults() - f0,
                           st1["bytes_read_disk"] - st0["bytes_read_disk"],
-                          st1["bytes_written_disk"] - st0["bytes_written_disk"]))
+                          st1["bytes_written_disk"] - st0["bytes_written_disk"],
+                          st1["host_fresh_buffers"] - st0["host_fresh_buffers"]))
 
         store_step()  # warm-up: moments start at zero, nothing to read
         plain.step()
@@ -187,10 +189,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"weights + moments); torch threads {torch.get_num_threads()}, load average "
               f"{os.getloadavg()[0]:.2f}; medians of {a.repeats} alternated steps")
         mib = 2**20
-        table = [["in memory: torch.optim.AdamW(fused=True)", f"{t_plain:.3f}", "1.00x", "", "", "", "", ""],
+        table = [["in memory: torch.optim.AdamW(fused=True)", f"{t_plain:.3f}", "1.00x", "", "", "", "", "", ""],
                  ["store: StoreAdamW.update_group", f"{t_store:.3f}", f"{t_store / t_plain:.2f}x",
-                  f"{med[0]:.3f}", f"{med[1]:.3f}", f"{med[2]}", f"{med[3] / mib:.0f}", f"{med[4] / mib:.0f}"]]
-        cols = ["side", "step s", "vs memory", "math s", "store s", "page faults", "read MiB", "written MiB"]
+                  f"{med[0]:.3f}", f"{med[1]:.3f}", f"{med[2]}", f"{med[5]}", f"{med[3] / mib:.0f}",
+                  f"{med[4] / mib:.0f}"]]
+        cols = ["side", "step s", "vs memory", "math s", "store s", "page faults", "fresh buffers", "read MiB",
+                "written MiB"]
         print(render_table(cols, table, right=cols[1:]))
         least = max(0, state - budget)  # what does not fit is read, and written back, once a step
         print(f"disk per step (median step): read {med[3] / mib:.0f} MiB, written {med[4] / mib:.0f} MiB; "
