@@ -30,6 +30,8 @@ class ChunkGrid:
     rows: int
     #: ``n_chunks``, computed once (asked for per chunk on the hot path)
     _n: int = dataclasses.field(default=-1, init=False, repr=False, compare=False)
+    #: ``span(i)[1]`` of every chunk, once asked (an in-place update cuts each chunk's view by it)
+    _valid: tuple[int, ...] | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def plan(cls, shape: tuple[int, ...], itemsize: int, chunk_bytes: int) -> ChunkGrid:
@@ -94,6 +96,14 @@ class ChunkGrid:
         start = (p * extent + q * self.rows) * self.inner
         valid = (min((q + 1) * self.rows, extent) - q * self.rows) * self.inner
         return start, valid
+
+    def valid_counts(self) -> tuple[int, ...]:
+        """Valid element count of every chunk (``span(i)[1]``), computed once."""
+        v = self._valid
+        if v is None:
+            v = tuple(self.span(i)[1] for i in range(self.n_chunks))
+            object.__setattr__(self, "_valid", v)
+        return v
 
     def chunk_of(self, flat: int) -> int:
         """The chunk holding flat element ``flat``."""

@@ -306,10 +306,8 @@ def lend_now(store: AsyncStore, key: str, chunked: bool) -> Update | None:
     # the tasks (a failed write's error is retrieved there, not left for asyncio to log)
     if (n > 1 and not chunked) or store._pins.pinned(g) or store._writes.get(g):
         return None
-    host = store._host
-    for i in range(n):
-        if not host.holds((g, i)) or host.lent((g, i)):
-            return None
+    if not store._host.free_to_update(g, n):
+        return None
     store._borrows.hold(key, update=True)
     try:
         u = lend_in_place(store, rec, {}, None, chunked, rec.decoded_dtype)
@@ -425,11 +423,10 @@ def seen_only_by_updates(store: AsyncStore, rec: GenRecord) -> bool:
     (the caller checked those two), no copy up to the device in flight.
     """
     g = rec.generation
-    host = store._host
     return (g in store._memory_only and g not in store._writes and g not in store._committed
             and g not in store._deferred and g not in store._device_loads
             and all(crc == CRC_PENDING for _, crc in rec.chunks)
-            and all(host.dirty_payload((g, i)) is not None for i in range(rec.grid.n_chunks)))
+            and store._host.all_dirty(g, rec.grid.n_chunks))
 
 
 def lend_again(store: AsyncStore, rec: GenRecord, chunked: bool, dtype: torch.dtype) -> Update:
@@ -438,13 +435,14 @@ def lend_again(store: AsyncStore, rec: GenRecord, chunked: bool, dtype: torch.dt
     What referred to the old bytes goes: crcs a loan took of them (checked by the caller) and
     the device window's copy.
     """
-    g, n = rec.generation, rec.grid.n_chunks
+    g = rec.generation
+    late, take, size = store._late_crcs, store._host.take_again, dtype.itemsize
     parts = []
-    for i in range(n):
-        store._late_crcs.pop((g, i), None)
-        buf = store._host.take_for_update((g, i), (g, i))
-        valid = rec.grid.span(i)[1] * dtype.itemsize
-        parts.append((buf if buf.numel() == valid else buf[:valid]).view(dtype))
+    for i, valid in enumerate(rec.grid.valid_counts()):
+        if late:
+            late.pop((g, i), None)
+        buf = take((g, i))
+        parts.append((buf if buf.numel() == valid * size else buf[: valid * size]).view(dtype))
     store._window.forget(g)
     store._borrows.mark_in_place(rec.key)
     store.stats_counters.updates_reused += 1

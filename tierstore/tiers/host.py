@@ -207,6 +207,37 @@ class HostTier:
         self._entries[new] = e
         return e.data
 
+    def free_to_update(self, generation: int, n_chunks: int) -> bool:
+        """Whether every chunk of ``generation`` is held and none is lent now (one call a key)."""
+        entries = self._entries
+        for i in range(n_chunks):
+            e = entries.get((generation, i))
+            if e is None or e.borrowed():
+                return False
+        return True
+
+    def all_dirty(self, generation: int, n_chunks: int) -> bool:
+        """Whether every chunk of ``generation`` is held and not yet on disk."""
+        entries = self._entries
+        for i in range(n_chunks):
+            e = entries.get((generation, i))
+            if e is None or not e.dirty:
+                return False
+        return True
+
+    def take_again(self, cid: ChunkId) -> torch.Tensor:
+        """Lend a held dirty chunk's buffer writable under the same id; returns the buffer.
+
+        The caller checked that nobody reads it (no loan, no pinned reader) and that it never
+        reached the disk: ``take_for_update`` without the move.
+        """
+        e = self._entries[cid]
+        assert e.dirty and not e.borrowed() and not e.updating
+        e.root = None  # a later loan gets a root of its own
+        e.updating = True
+        self._entries.move_to_end(cid)
+        return e.data
+
     def insert_for_update(self, cid: ChunkId, data: torch.Tensor) -> None:
         """Insert a copied-on-write buffer (from ``alloc``) as a dirty chunk lent writable."""
         self.insert(cid, data, dirty=True)
