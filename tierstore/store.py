@@ -424,7 +424,8 @@ class AsyncStore(ReadPath):
 
     async def begin_update(self, key: str, *, chunked: bool = False) -> Update:
         """Start an update of ``key`` (``update`` pairs it with ``end_update``); the loan in ``.value()``."""
-        return await updates.begin_update(self, key, chunked)
+        u = updates.begin_now(self, key, chunked)
+        return u if u is not None else await updates.begin_update(self, key, chunked)
 
     def plan(self, keys: Sequence[str] | None, hot: Sequence[str] = ()) -> None:
         """Declare the order in which the workload updates ``keys``, cycle after cycle (None: forget it).
@@ -446,8 +447,11 @@ class AsyncStore(ReadPath):
         order = sorted(keys)
         try:
             for key in order:
-                begun[key] = await updates.begin_update(self, key, chunked, joining=bool(begun),
-                                                        look_ahead=key == order[-1])
+                last = key == order[-1]
+                u = updates.begin_now(self, key, chunked, joining=bool(begun), look_ahead=last)
+                if u is None:
+                    u = await updates.begin_update(self, key, chunked, joining=bool(begun), look_ahead=last)
+                begun[key] = u
         except BaseException:
             await self.end_updates(list(begun.values()))
             raise
@@ -463,7 +467,8 @@ class AsyncStore(ReadPath):
         failure: BaseException | None = None
         for u in sorted(us, key=lambda u: u.new is None):
             try:
-                await self.end_update(u)
+                if not updates.end_now(self, u):
+                    await self.end_update(u)
             except BaseException as e:  # the others are still given back
                 failure = failure or e
         if failure is not None:

@@ -54,7 +54,9 @@ class BorrowTable:
     """
 
     def __init__(self) -> None:
-        self._released: dict[str, asyncio.Event] = {}
+        #: held keys -> the event their waiters wait on (made by the first waiter: most holds
+        #: have none, and an event a hold would cost microseconds a key of a training step)
+        self._released: dict[str, asyncio.Event | None] = {}
         #: keys held by an update: gets of them wait
         self._updating: set[str] = set()
         #: keys whose in-place loan made the head: a commit waits for them
@@ -73,15 +75,22 @@ class BorrowTable:
         """Whether ``key`` is lent to an update now."""
         return key in self._updating
 
+    def _event(self, key: str) -> asyncio.Event:
+        """The event set when held ``key`` is released (made now if nobody waited yet)."""
+        ev = self._released[key]
+        if ev is None:
+            ev = self._released[key] = asyncio.Event()
+        return ev
+
     async def wait_free(self, key: str) -> None:
         """Return once no writer holds ``key`` (at once if none does)."""
-        while (ev := self._released.get(key)) is not None:
-            await ev.wait()
+        while key in self._released:
+            await self._event(key).wait()
 
     async def wait_readable(self, key: str) -> None:
         """Return once no update holds ``key``."""
-        while key in self._updating and (ev := self._released.get(key)) is not None:
-            await ev.wait()
+        while key in self._updating and key in self._released:
+            await self._event(key).wait()
 
     async def acquire(self, key: str, update: bool = False) -> None:
         """Wait until ``key`` is free, then hold it (no await between the check and the hold)."""
@@ -91,7 +100,7 @@ class BorrowTable:
     def hold(self, key: str, update: bool = False) -> None:
         """Hold ``key``, which no writer holds (``update``: its gets wait too)."""
         assert key not in self._released
-        self._released[key] = asyncio.Event()
+        self._released[key] = None
         if update:
             self._updating.add(key)
 
@@ -138,6 +147,10 @@ class BorrowTable:
             if not self._commits_waiting:
                 self._no_commit_waiting.set()
 
+    def commit_waiting(self) -> bool:
+        """Whether a commit waits for in-place loans to end (new updates wait for it)."""
+        return self._commits_waiting > 0
+
     async def wait_no_commit(self) -> None:
         """Return once no commit waits for in-place loans to end (a new update starts after it)."""
         while self._commits_waiting:
@@ -181,6 +194,24 @@ def split_flat(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return out
 
 
+def begin_now(store: AsyncStore, key: str, chunked: bool, joining: bool = False,
+              look_ahead: bool = True) -> Update | None:
+    """``begin_update`` where nothing is to be waited for (``lend_now``), as a plain call; else None.
+
+    None leaves nothing held, and ``begin_update`` then takes the waiting path from the start.
+    """
+    store._check_writable()
+    validate_key(key)
+    store._record(key)  # KeyNotFound
+    if (not joining and store._borrows.commit_waiting()) or not can_lend_now(store, key, chunked):
+        return None
+    if store._plan is not None and store._plan.touch(key) and look_ahead:
+        plan_ahead(store)
+        if not can_lend_now(store, key, chunked):  # the look-ahead may have started its write
+            return None
+    return lend_checked(store, key, chunked)
+
+
 async def begin_update(store: AsyncStore, key: str, chunked: bool, joining: bool = False,
                        look_ahead: bool = True) -> Update:
     """Hold ``key`` for an update and lend its value: in place when it may be, else a scratch.
@@ -214,14 +245,27 @@ async def begin_update(store: AsyncStore, key: str, chunked: bool, joining: bool
     return u
 
 
+def end_now(store: AsyncStore, u: Update) -> bool:
+    """``end_update`` of an in-place loan (nothing to wait for) as a plain call; False for others."""
+    if u.done:
+        return True
+    if u.new is None or u.scratch is not None:
+        return False
+    u.done = True
+    try:
+        for i in range(u.old.grid.n_chunks):
+            store._host.end_update((u.new.generation, i))
+    finally:
+        u.parts = []
+        store._borrows.release(u.key)
+    return True
+
+
 async def end_update(store: AsyncStore, u: Update) -> None:
     """End ``u``: its value becomes the head (at once, or encoded from the scratch in a task)."""
-    if u.done:
+    if end_now(store, u):
         return
     u.done = True
-    if u.new is not None and u.scratch is None:
-        await finish_update(store, u)  # no await inside: it cannot be cancelled halfway
-        return
     task = store._spawn(finish_update(store, u))
     try:
         await asyncio.shield(task)
@@ -287,6 +331,22 @@ def in_place_ok(store: AsyncStore, rec: GenRecord) -> bool:
             and (budget is None or rec.stored_nbytes <= budget // 2))
 
 
+def can_lend_now(store: AsyncStore, key: str, chunked: bool) -> bool:
+    """Whether ``lend_now`` would lend ``key`` (it changes nothing)."""
+    assert store._commit_lock is not None
+    if key in store._borrows or store._commit_lock.locked():
+        return False
+    rec = store._head.get(key)
+    if rec is None or not in_place_ok(store, rec):
+        return False
+    g, n = rec.generation, rec.grid.n_chunks
+    # any write task of the generation, even a finished one, takes the waiting path: it settles
+    # the tasks (a failed write's error is retrieved there, not left for asyncio to log)
+    if (n > 1 and not chunked) or store._pins.pinned(g) or store._writes.get(g):
+        return False
+    return store._host.free_to_update(g, n)
+
+
 def lend_now(store: AsyncStore, key: str, chunked: bool) -> Update | None:
     """``begin_update``'s common case with nothing to wait for, lent without an await; else None.
 
@@ -295,19 +355,12 @@ def lend_now(store: AsyncStore, key: str, chunked: bool) -> Update | None:
     needed. The waiting path would then do the same without ever suspending, through half a
     dozen coroutine frames a key (a training step lends every parameter and moment).
     """
-    assert store._commit_lock is not None
-    if key in store._borrows or store._commit_lock.locked():
-        return None
-    rec = store._head.get(key)
-    if rec is None or not in_place_ok(store, rec):
-        return None
-    g, n = rec.generation, rec.grid.n_chunks
-    # any write task of the generation, even a finished one, takes the waiting path: it settles
-    # the tasks (a failed write's error is retrieved there, not left for asyncio to log)
-    if (n > 1 and not chunked) or store._pins.pinned(g) or store._writes.get(g):
-        return None
-    if not store._host.free_to_update(g, n):
-        return None
+    return lend_checked(store, key, chunked) if can_lend_now(store, key, chunked) else None
+
+
+def lend_checked(store: AsyncStore, key: str, chunked: bool) -> Update:
+    """``lend_now`` once ``can_lend_now`` said yes (nothing awaited since)."""
+    rec = store._head[key]
     store._borrows.hold(key, update=True)
     try:
         u = lend_in_place(store, rec, {}, None, chunked, rec.decoded_dtype)
