@@ -74,6 +74,10 @@ class AccessPlan:
             return HOT_RANK
         return self.distance(key)
 
+    def next_key(self) -> str:
+        """The key after the one in use now."""
+        return self.keys[(self.cursor + 1) % len(self.keys)]
+
     def upcoming(self) -> Iterator[str]:
         """The plan's keys from the next one on, once round (lazily: callers stop early)."""
         n = len(self.keys)

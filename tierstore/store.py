@@ -444,13 +444,11 @@ class AsyncStore(ReadPath):
         if len(set(keys)) != len(keys):
             raise StoreError(f"update of {list(keys)}: a key appears twice")
         begun: dict[str, Update] = {}
-        order = sorted(keys)
         try:
-            for key in order:
-                last = key == order[-1]
-                u = updates.begin_now(self, key, chunked, joining=bool(begun), look_ahead=last)
+            for key in sorted(keys):
+                u = updates.begin_now(self, key, chunked, joining=bool(begun))
                 if u is None:
-                    u = await updates.begin_update(self, key, chunked, joining=bool(begun), look_ahead=last)
+                    u = await updates.begin_update(self, key, chunked, joining=bool(begun))
                 begun[key] = u
         except BaseException:
             await self.end_updates(list(begun.values()))

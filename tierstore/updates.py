@@ -194,8 +194,7 @@ def split_flat(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return out
 
 
-def begin_now(store: AsyncStore, key: str, chunked: bool, joining: bool = False,
-              look_ahead: bool = True) -> Update | None:
+def begin_now(store: AsyncStore, key: str, chunked: bool, joining: bool = False) -> Update | None:
     """``begin_update`` where nothing is to be waited for (``lend_now``), as a plain call; else None.
 
     None leaves nothing held, and ``begin_update`` then takes the waiting path from the start.
@@ -205,27 +204,25 @@ def begin_now(store: AsyncStore, key: str, chunked: bool, joining: bool = False,
     store._record(key)  # KeyNotFound
     if (not joining and store._borrows.commit_waiting()) or not can_lend_now(store, key, chunked):
         return None
-    if store._plan is not None and store._plan.touch(key) and look_ahead:
+    if store._plan is not None and store._plan.touch(key):
         plan_ahead(store)
         if not can_lend_now(store, key, chunked):  # the look-ahead may have started its write
             return None
     return lend_checked(store, key, chunked)
 
 
-async def begin_update(store: AsyncStore, key: str, chunked: bool, joining: bool = False,
-                       look_ahead: bool = True) -> Update:
+async def begin_update(store: AsyncStore, key: str, chunked: bool, joining: bool = False) -> Update:
     """Hold ``key`` for an update and lend its value: in place when it may be, else a scratch.
 
     ``joining``: the caller's batch holds loans already; it goes on past a waiting commit (which
-    waits for those loans), where a new update waits for the commit first. ``look_ahead``: act
-    on the plan from here (``plan_ahead``); a batch does once, at its last key.
+    waits for those loans), where a new update waits for the commit first.
     """
     store._check_writable()
     validate_key(key)
     store._record(key)  # KeyNotFound before waiting
     if not joining:
         await store._borrows.wait_no_commit()
-    if store._plan is not None and store._plan.touch(key) and look_ahead:
+    if store._plan is not None and store._plan.touch(key):
         plan_ahead(store)
     u = lend_now(store, key, chunked)
     if u is not None:
@@ -297,13 +294,14 @@ def plan_ahead(store: AsyncStore) -> None:
         return
     # one key ahead (at least a chunk): enough to overlap its read with this update, and
     # every byte read ahead is a byte of state that cannot stay (more reads a cycle)
-    nxt = store._head.get(next(plan.upcoming()))
+    host = store._host
+    nxt = store._head.get(plan.next_key())
     ahead = min(budget // 8, max(nxt.stored_nbytes if nxt is not None else 0,
                                  store.config.chunk_bytes or 0, 1))
-    if store._host.used + ahead > budget:
-        if not store._host.reclaimable_at_least(ahead):
+    if host.used + ahead > budget:
+        if not host.reclaimable_at_least(ahead):
             start_write_back(store)
-    elif nxt is None or all(store._host.holds((nxt.generation, i)) for i in range(nxt.grid.n_chunks)):
+    elif nxt is None or host.holds_all(nxt.generation, nxt.grid.n_chunks):
         # room to spare and the next key in RAM: nothing is urgent, the next update looks again
         # (with state that fits, a walk on every update would only confirm what is held)
         return

@@ -216,6 +216,11 @@ class HostTier:
                 return False
         return True
 
+    def holds_all(self, generation: int, n_chunks: int) -> bool:
+        """Whether every chunk of ``generation`` is held (recency untouched)."""
+        entries = self._entries
+        return all((generation, i) in entries for i in range(n_chunks))
+
     def all_dirty(self, generation: int, n_chunks: int) -> bool:
         """Whether every chunk of ``generation`` is held and not yet on disk."""
         entries = self._entries
