@@ -598,7 +598,10 @@ class Runner:
         """Keep ``t`` (lent) instead of the previous loan, which is checked as it is dropped."""
         with self._loan_lock:
             prev, self._loan = self._loan, (t, t.clone(), what)
-        self._check_loan(prev)
+            # checked under the lock: a write into a loan of the same memory (``_scribble``, on
+            # another actor's thread) refreshes only the loan held then, and once this one is
+            # no longer held it would find a changed tensor it was not told of
+            self._check_loan(prev)
 
     def _check_loan(self, loan: tuple[torch.Tensor, torch.Tensor, str] | None) -> None:
         if loan is not None and not same_tensor(loan[0], loan[1]):
