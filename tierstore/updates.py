@@ -400,7 +400,7 @@ async def begin_in_place(store: AsyncStore, rec: GenRecord, chunked: bool) -> Up
                 bufs[i] = buf
             async with store._commit_lock:  # the head is a commit's while it runs
                 # no await from here on: the loan starts whole or not at all
-                if all(store._host.holds((g, i)) for i in range(n)):
+                if store._host.holds_all(g, n):
                     u = lend_in_place(store, rec, {i: b for i, b in bufs.items() if i >= 0},
                                       bufs.get(-1), chunked, dtype)
                     bufs = {}  # the loan's now (a refused loan leaves them here: recycled)
