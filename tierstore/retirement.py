@@ -101,6 +101,7 @@ def forget_in_memory(store: AsyncStore, g: int, n_chunks: int) -> None:
     store._gen_keys.pop(g, None)
     store._folder_grids.pop(g, None)
     store._memory_only.discard(g)
+    store._meta_owed.discard(g)
     store._host.drop_generation(g, n_chunks)
     store._window.forget(g)
     store._shard_maps.pop(g, None)

@@ -87,6 +87,7 @@ from tierstore.writes import (
     start_write_back,
     write_dirty,
     write_generation,
+    write_owed_meta,
 )
 
 T = TypeVar("T")
@@ -137,6 +138,8 @@ class AsyncStore(ReadPath):
         #: generations made here whose folders were never made (lazy puts, in-place updates):
         #: collecting one deletes nothing on disk
         self._memory_only: set[int] = set()
+        #: generations written for room whose zarr.json waits for a commit (``write_owed_meta``)
+        self._meta_owed: set[int] = set()
         #: write-backs for room started (``writes.start_write_back``): task -> stored bytes
         self._write_backs: dict[asyncio.Task[None], int] = {}
         #: grids of generations whose write-back wrote every file: their folders may be recycled
@@ -660,6 +663,7 @@ class AsyncStore(ReadPath):
             # cancelled up to the transaction, nothing happened: drained writes and fsyncs
             # change nothing a reopen sees, and the ledger keeps what was not surely synced
             await drain_writes(self)
+            await write_owed_meta(self)
             for k, rec in list(self._head.items()):
                 self._head[k] = resolve_crcs(self, rec)
             head = dict(self._head)

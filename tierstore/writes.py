@@ -11,7 +11,10 @@ written behind it. ``store._writes`` lists, per generation, the write tasks in f
 and not yet committed. Invariant: a dirty RAM chunk of a head generation is either being written
 by a task in ``store._writes`` or waits for ``start_write_back`` (the budget needs its room) or
 a commit (``drain_writes``) to write it; a chunk changed in place gets its crc32c when it is
-written or first lent (``CRC_PENDING``, ``store._late_crcs``).
+written or first lent (``CRC_PENDING``, ``store._late_crcs``). A generation written for room
+alone has no ``zarr.json`` until a commit publishes it (``store._meta_owed``,
+``write_owed_meta``): most such state is superseded a step later, and its metadata would be a
+file written, and written over, for nobody.
 
 Every chunk write checks the crc32c of the bytes it wrote against the one taken when they were
 stored (``write_file``'s ``checks``): a write into a tensor lent by ``get(copy=False)`` (or
@@ -89,7 +92,7 @@ def start_write_back(store: AsyncStore) -> bool:
         rec = heads.get(gen)
         if rec is None or gen in store._writes:
             continue  # written already or now, or not a head any more (its retirement drops it)
-        task = store._spawn(write_dirty(store, rec))
+        task = store._spawn(write_dirty(store, rec, meta=False))
         flight[task] = rec.stored_nbytes
         in_flight += rec.stored_nbytes
         store._writes[gen] = [task]
@@ -97,11 +100,11 @@ def start_write_back(store: AsyncStore) -> bool:
     return started
 
 
-async def write_dirty(store: AsyncStore, rec: GenRecord) -> None:
-    """Write every dirty chunk of ``rec`` (with its folders and metadata); raise the first failure."""
+async def write_dirty(store: AsyncStore, rec: GenRecord, meta: bool = True) -> None:
+    """Write every dirty chunk of ``rec`` (with its folders; ``meta``: and its zarr.json); raise the first failure."""
     # made room for, not made durable: a commit syncs what is still the head by then, and
     # state superseded first (most of a training step's) is deleted before any device write
-    failures = await settle([store._spawn(c) for c in await rewrite(store, rec, sync=False)])
+    failures = await settle([store._spawn(c) for c in await rewrite(store, rec, sync=False, meta=meta)])
     if failures:
         raise failures[0]
 
@@ -379,6 +382,24 @@ async def write_file(store: AsyncStore, path: str, parts: list[Any],
     store.tracer.span("write", "disk", t0, time.perf_counter(), bytes=n)
 
 
+async def write_owed_meta(store: AsyncStore) -> None:
+    """Write the zarr.json of every head generation written for room only; raise the first failure.
+
+    Runs in a commit after ``drain_writes``, so every folder exists. A generation stays owed
+    until its write succeeds: a failed or cancelled commit leaves it to the next one. The
+    file is written over (``overwrite``): a recycled folder may hold an older generation's.
+    """
+    async def one(rec: GenRecord) -> None:
+        await write_meta(store, rec.key, rec.generation, rec.grid, rec.torch_dtype, rec.codec_obj,
+                         shard=rec.shard, overwrite=True)
+        store._meta_owed.discard(rec.generation)
+
+    owed = [r for r in store._head.values() if r.generation in store._meta_owed]
+    failures = await settle([store._spawn(one(r)) for r in owed])
+    if failures:
+        raise failures[0]
+
+
 async def drain_writes(store: AsyncStore) -> None:
     """Wait for every pending chunk write; retry failed ones once (e.g. after ENOSPC).
 
@@ -400,21 +421,31 @@ async def drain_writes(store: AsyncStore) -> None:
             raise failures[0]  # the first failure of the retry fails the commit
 
 
-async def rewrite(store: AsyncStore, rec: GenRecord, sync: bool = True) -> list[Any]:
+async def rewrite(store: AsyncStore, rec: GenRecord, sync: bool = True, meta: bool = True) -> list[Any]:
     """Write coroutines for every file of ``rec`` whose data is still dirty in RAM (``sync``: as ``write_file``).
+
+    ``meta=False`` (a write-back for room): the zarr.json is owed to the commit instead
+    (``write_owed_meta``); owed before the first await, so a commit that drains this write
+    finds it owed.
 
     A sharded generation rewrites its dirty inner chunks in place and every shard index
     (small, and a failed index write leaves no dirty chunk to say so).
     """
     g = rec.generation
+    if meta:
+        store._meta_owed.discard(g)
+    else:
+        store._meta_owed.add(g)
     if g in store._memory_only and all(store._host.dirty_payload((g, i)) is not None
                                        for i in range(rec.grid.n_chunks)):
         recycled = await folders(store, rec.key, g, rec.grid, rec.shard)  # every file is written
     else:
         recycled = False
         await make_dirs(store, rec.key, g, rec.grid, rec.shard)
-    coros = [write_meta(store, rec.key, rec.generation, rec.grid, rec.torch_dtype, rec.codec_obj,
-                        shard=rec.shard, overwrite=recycled)]
+    coros: list[Any] = []
+    if meta:
+        coros.append(write_meta(store, rec.key, rec.generation, rec.grid, rec.torch_dtype, rec.codec_obj,
+                                shard=rec.shard, overwrite=recycled))
     smap = store._shard_map(rec) if rec.shard else None
     for i, (_, crc) in enumerate(rec.chunks):
         payload = store._host.dirty_payload((rec.generation, i))

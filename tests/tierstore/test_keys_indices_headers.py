@@ -53,6 +53,22 @@ def test_the_last_segment_counts_its_generation_suffix(tmp_path) -> None:
         assert torch.equal(r.get("d/" + "y" * 250), torch.ones(2))
 
 
+def test_generation_folders_are_the_checked_path_after_a_key_is_remembered(tmp_path) -> None:
+    import os
+
+    from tierstore.tiers.disk import DiskTier
+
+    disk = DiskTier(str(tmp_path))
+    for key in ["a", "x/y/z", "d-1/" + "w" * 250]:
+        for gen in [1, 10, 7, 123456]:  # the first call remembers the key, the others use it
+            want = os.path.normpath(os.path.join(disk.data_dir, f"{key}@{gen}"))
+            if len((key.rpartition("/")[2] + f"@{gen}").encode()) > 255:
+                with pytest.raises(tierstore.InvalidKey, match="suffix"):
+                    disk.generation_dir(key, gen)  # more digits than the remembered key had room for
+            else:
+                assert disk.generation_dir(key, gen) == want
+
+
 def test_segment_limit_is_in_bytes() -> None:
     validate_key("a/" + "b" * 255)
     with pytest.raises(tierstore.InvalidKey, match="segment 1 is 256 bytes"):

@@ -374,7 +374,7 @@ def test_updates_between_commits_reuse_the_generation_the_first_one_made(tmp_pat
     with _open(tmp_path / "s", budget="8MiB") as s:
         s.put("w", ref.clone())
         s.commit()
-        for k in range(4):
+        for _ in range(4):
             _bump(s, "w")
             ref += 1
             assert torch.equal(s.get("w"), ref)
@@ -468,3 +468,45 @@ def test_a_commit_of_chunks_changed_in_place_and_never_lent_hashes_each_once(tmp
         assert hashed == [CHUNK] * 4
     with tierstore.open(tmp_path / "s", "r") as r:
         assert r.verify() == []
+
+
+def _meta_generation(path, key, gen):
+    """The generation the zarr.json in ``key``'s folder of ``gen`` names; None without one."""
+    import json
+
+    meta = path / "data" / f"{key}@{gen}" / "zarr.json"
+    return json.loads(meta.read_bytes())["attributes"]["tierstore"]["generation"] if meta.exists() else None
+
+
+def test_a_write_back_for_room_leaves_the_metadata_to_the_commit(tmp_path) -> None:
+    import os
+
+    from tools.cli import main as cli_main
+
+    refs = {f"k{i}": torch.randn(3, 16384) for i in range(6)}  # 3 chunks each, 1.1 MiB in all
+    with _open(tmp_path / "s", budget="512KiB") as s:  # room for 2 of them: the rest is written back
+        for k, t in refs.items():
+            s.put(k, t.clone())
+        s.commit()
+        for _ in range(2):
+            for k, t in refs.items():
+                _bump(s, k)
+                t += 1
+        written = s.stats()["bytes_written_disk"]
+        heads = {k: s.info(k).generation for k in refs}
+        on_disk = [k for k, g in heads.items() if os.path.isdir(tmp_path / "s" / "data" / f"{k}@{g}")]
+        assert on_disk, "expected write-backs for room"
+        # written for room: chunk files, and no zarr.json of theirs (none, or a recycled
+        # folder's old one) until a commit publishes them
+        unpublished = [k for k in on_disk if _meta_generation(tmp_path / "s", k, heads[k]) != heads[k]]
+        assert unpublished
+        for k in unpublished:
+            assert [f for f in os.listdir(tmp_path / "s" / "data" / f"{k}@{heads[k]}") if f != "zarr.json"]
+        s.commit()
+        assert s.stats()["bytes_written_disk"] > written
+        for k, g in heads.items():
+            assert _meta_generation(tmp_path / "s", k, g) == g
+    assert cli_main(["verify", str(tmp_path / "s")]) == 0  # each zarr.json agrees with the catalog
+    with _open(tmp_path / "s") as s:
+        for k, t in refs.items():
+            assert torch.equal(s.get(k), t)

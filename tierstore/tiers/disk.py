@@ -26,7 +26,7 @@ import crc32c
 from tierstore.checksums import checksum, crc_trailer
 from tierstore.errors import CorruptData, DiskError
 from tierstore.faults import FaultPlan, pwritev_limited
-from tierstore.keys import generation_relpath, parse_generation_relpath
+from tierstore.keys import MAX_SEGMENT_BYTES, generation_relpath, parse_generation_relpath
 from tierstore.layout import ChunkGrid
 from tierstore.shards import shard_key
 
@@ -56,6 +56,7 @@ def coalesce(entries: Sequence[Inner]) -> list[Run]:
             iovs = k
         end = at + sum(memoryview(b).nbytes for b in bufs) + 4
     return runs
+_KEY_DIRS_REMEMBERED = 8192  # as many keys as the key check remembers (tierstore.keys)
 _SYNCFS_ABOVE = 32  # beyond this many files and folders one syncfs beats fsync calls
 
 
@@ -239,6 +240,9 @@ class DiskTier:
         #: fault injection for tests; None in normal use
         self.faults: FaultPlan | None = None
         self.open_files = OpenFiles()
+        #: key -> (its folders' checked prefix, ending in "@"; bytes of the folder name before
+        #: the generation's digits), for ``generation_dir``
+        self._key_dirs: dict[str, tuple[str, int]] = {}
 
     def check_faults(self, site: str, path: str) -> None:
         """Raise the injected OSError if the fault plan fails this call (tests); else nothing."""
@@ -247,9 +251,20 @@ class DiskTier:
 
     def generation_dir(self, key: str, generation: int) -> str:
         """The folder of one generation; never outside the data folder."""
+        known = self._key_dirs.get(key)
+        if known is not None and known[1] + len(str(generation)) <= MAX_SEGMENT_BYTES:
+            return f"{known[0]}{generation}"
         path = os.path.normpath(os.path.join(self.data_dir, generation_relpath(key, generation)))
         if os.path.commonpath([path, self.data_dir]) != self.data_dir:
             raise DiskError(f"key {key!r} resolves outside the store")  # unreachable by key rules
+        # every call of a training step asks for a folder (about 40 us checked): a key's
+        # checked prefix is kept, and only the length of the generation's digits varies
+        suffix = f"@{generation}"
+        if path.endswith(suffix):
+            if len(self._key_dirs) >= _KEY_DIRS_REMEMBERED:
+                self._key_dirs.clear()
+            last = key.rpartition("/")[2]
+            self._key_dirs[key] = (path[: -len(str(generation))], len(last.encode("utf-8")) + 1)
         return path
 
     def chunk_path(self, key: str, generation: int, grid: ChunkGrid, i: int) -> str:
