@@ -41,6 +41,7 @@ from tierstore.errors import (
     StoreNotFound,
 )
 from tierstore.faults import FaultPlan
+from tools.cli.verify_cmd import check_metadata
 from tools.harness.modelcheck.model import ABSENT, Model, consistent, same_tensor
 from tools.harness.modelcheck.programs import Op, Program, without, without_phase
 
@@ -953,6 +954,9 @@ class Runner:
                 self.model.committed = [head]
         with self._open("r") as r:
             faults = r.verify()
+            # and each tensor's zarr.json names its generation (a commit writes the metadata
+            # that write-backs for room left to it)
+            faults += [f for k in r.keys() for f in check_metadata(r, k)]
             if faults:
                 self.model.fail(f"verify after the final commit: {faults[:3]}")
             self._check_committed(r, "final read-only reopen")
