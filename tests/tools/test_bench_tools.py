@@ -237,3 +237,13 @@ def test_runs_record_labels_follow_the_codec_specs() -> None:
     head = {"hidden": 8, "layers": 1, "lr": 1e-3, "seed": 0, "steps": 3, "batch": 2, "seq": 16}
     assert convergence_runs.run_key({**records[0], **head}) == convergence_runs.run_key({**records[1], **head})
     assert convergence_runs.run_key({**records[0], **head}) != convergence_runs.run_key({**records[2], **head})
+
+
+def test_bench_scale_times_methods_that_exist() -> None:
+    # the child wraps these by name: a renamed method would fail the 4B run after its setup
+    from tools.bench.scale import timed_methods
+
+    timed = timed_methods()
+    assert {label for _, _, label in timed} >= {"fb", "fetch", "submit", "wait_all"}
+    for owner, name, _ in timed:
+        assert callable(getattr(owner, name, None)), f"{owner.__name__}.{name}"

@@ -107,6 +107,19 @@ class Shape:
                            bos_token_id=256, eos_token_id=257, pad_token_id=None)
 
 
+def timed_methods() -> list[tuple[type, str, str]]:
+    """(class, method, timer label) of what the training child times on its training thread.
+
+    Forward/backward, and inside it the waits for weights (a fetch includes the wait for the
+    update of the weights it prefetches, ``StreamingEngine._hint``) and for optimizer room.
+    """
+    import trainer.optimizer as opt_mod
+    import trainer.streaming as eng_mod
+
+    return [(eng_mod.StreamingEngine, "forward_backward", "fb"), (eng_mod.StreamingEngine, "_fetch", "fetch"),
+            (opt_mod.UpdateWorker, "submit", "submit"), (opt_mod.UpdateWorker, "wait_all", "wait_all")]
+
+
 def shape_for(target: int) -> Shape:
     """The Llama-style shape with at least ``target`` parameters (fewest layers that reach it)."""
     _, h, inter, heads = next(row for row in SHAPES if target <= row[0])
@@ -239,7 +252,6 @@ def child(spec: ChildSpec) -> None:
     import tierstore.store
     import trainer as mt
     import trainer.optimizer as opt_mod
-    import trainer.streaming as eng_mod
     from trainer.data import default_dataset
 
     _emit("imported", rss=memory.rss_bytes())
@@ -247,14 +259,8 @@ def child(spec: ChildSpec) -> None:
     # codec time: every encode (puts) and decode (gets), on whichever thread runs it
     tierstore.writes.encode_chunk = timer.wrap("codec", tierstore.writes.encode_chunk)  # type: ignore[attr-defined]
     tierstore.reads.decode_into = timer.wrap("codec", tierstore.reads.decode_into)  # type: ignore[attr-defined]
-    # the training thread's time: forward/backward, and inside it the waits for weights
-    E = eng_mod.StreamingEngine
-    E.forward_backward = timer.wrap("fb", E.forward_backward)  # type: ignore[method-assign]
-    E._fetch = timer.wrap("fetch", E._fetch)  # type: ignore[method-assign]
-    E._prefetch = timer.wrap("prefetch", E._prefetch)  # type: ignore[method-assign]
-    W = opt_mod.UpdateWorker
-    W.submit = timer.wrap("submit", W.submit)  # type: ignore[method-assign]
-    W.wait_all = timer.wrap("wait_all", W.wait_all)  # type: ignore[method-assign]
+    for owner, name, label in timed_methods():
+        setattr(owner, name, timer.wrap(label, getattr(owner, name)))
     opts: list[Any] = []
     orig_init = opt_mod.StoreAdamW.__init__
 
