@@ -59,6 +59,10 @@ def _round_trip(codec: codecs.Codec, x: torch.Tensor) -> torch.Tensor:
     return codec.decode(memoryview(raw), tuple(x.shape), x.dtype)
 
 
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a * b).sum() / (a.norm() * b.norm()))
+
+
 def _rel_err(y: torch.Tensor, x: torch.Tensor) -> float:
     return float((y.double() - x.double()).norm() / x.double().norm())
 
@@ -607,6 +611,42 @@ def test_dithered_rounding_is_unbiased_and_decodes_only_with_its_dither() -> Non
     assert _rel_err(back, big) < _rel_err(plain, big)  # the decoder takes the dither off
     with pytest.raises(tierstore.CodecError, match="dither"):
         codecs.get("q4", signed=False, rounding="dither")
+
+
+def test_dither_corrections_take_off_the_bias_and_shorten_the_chunk() -> None:
+    """correction="bias": the square-root map's dithered decode is unbiased in value beyond a step
+    of zero (the plain one is biased outwards by h**2 / 3 of the scale); "norm" also shortens the decoded chunk by
+    the dither's expected noise energy. Both are named in the spec; the bytes are the same."""
+    plain = codecs.get("q4", rounding="dither")
+    bias = codecs.get("q4", rounding="dither", correction="bias")
+    h = 1.0 / 14  # half a step of q4's companded grid
+    for value in (0.3, -0.6, 0.7, 0.02, -0.001):
+        # 511 x 511 copies of ``value``, each scaled by 1 (a first row and column of ones)
+        t = torch.full((512, 512), value)
+        t[0, :], t[:, 0] = 1.0, 1.0
+        mean_plain = float(_round_trip(plain, t)[1:, 1:].mean())
+        mean_bias = float(_round_trip(bias, t)[1:, 1:].mean())
+        if abs(value) ** 0.5 > 2 * h:  # inside the grid: the plain decode is h**2 / 3 too far out
+            assert (mean_plain - value) * math.copysign(1, value) == pytest.approx(h * h / 3, abs=3e-4)
+            assert abs(mean_bias - value) < 3e-4, (value, mean_bias)
+        else:  # within a step of zero the correction is linear, an approximation: less bias
+            assert abs(mean_bias - value) < 0.75 * abs(mean_plain - value), (value, mean_bias)
+    m, _ = synthetic_moments(1 << 16, seed=1)
+    big = m.view(256, 256)
+    norm = codecs.get("q4", rounding="dither", correction="norm")
+    data = plain.encode(big)
+    assert torch.equal(data, norm.encode(big)) and torch.equal(data, bias.encode(big))
+    dec = {c.correction: c.decode(memoryview(data.numpy()), (256, 256), torch.float32)
+           for c in (plain, bias, norm)}
+    assert dec["norm"].norm() < dec["bias"].norm() < dec[None].norm()
+    assert _cos(dec["norm"], dec["bias"]) > 0.99999  # one gain for the chunk
+    for c in (bias, norm):
+        assert c.spec()["correction"] == c.correction and codecs.from_spec(c.spec()) == c
+    assert "correction" not in plain.spec()
+    with pytest.raises(tierstore.CodecError, match="correction must be one of"):
+        codecs.get("q4", rounding="stochastic", correction="bias")
+    with pytest.raises(tierstore.CodecError, match="correction must be one of"):
+        codecs.get("q4", rounding="dither", correction="gain")
 
 
 def test_new_formats_are_new_spec_values_and_old_specs_read_unchanged() -> None:

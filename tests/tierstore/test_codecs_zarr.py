@@ -122,3 +122,13 @@ def test_spec_of_the_old_block_layout_is_refused(tmp_path: pathlib.Path) -> None
     meta_path.write_text(json.dumps(meta))
     with pytest.raises(tierstore.CodecError, match="0.1.0"):
         zarr.open_array(tmp_path / "old", mode="r")[...]
+
+
+@pytest.mark.parametrize("correction", [None, "bias", "norm"])
+def test_dithered_chunks_open_with_zarr(tmp_path: pathlib.Path, correction: str | None) -> None:
+    """A dithered chunk's decoder (and its correction) is in the spec zarr reads."""
+    codec = codecs.get("q4", rounding="dither", correction=correction)
+    t = synthetic_moments(32 * 64, seed=4)[0].reshape(32, 64)
+    _write_array(tmp_path / "d", codec, t, (32, 64), "float32")
+    want = codec.decode(memoryview(codec.encode(t).numpy().tobytes()), (32, 64), torch.float32)
+    np.testing.assert_array_equal(zarr.open_array(tmp_path / "d", mode="r")[...], want.numpy())

@@ -10,7 +10,9 @@ key is refused with an error that says so, instead of being decoded into wrong v
 
 Format versions after that are new parameter values, never new meanings of old ones: ``scales:
 "absmax"`` (per-block absmax, no column scales), ``signed_map: "linear" | "de"`` (absent: the
-width's own map, as before the key existed), ``rounding: "dither"`` (its decoder differs). A
+width's own map, as before the key existed), ``rounding: "dither"`` (its decoder differs),
+``correction: "bias" | "norm"`` (a dithered chunk's decoder corrects its values; absent: as
+before the key existed). A
 reader of an older release refuses such a spec by the parameter's name ("scales must be one
 of", "rounding must be one of", "unexpected keyword argument 'signed_map'") instead of
 misreading the bytes; every spec an older release wrote reads here unchanged.
@@ -52,7 +54,8 @@ class QuantCodec(Codec):
     default_block: ClassVar[int]
 
     def __init__(self, signed: bool = True, block: int | None = None, rounding: str = "nearest",
-                 scales: str = "rank1", signed_map: str | None = None):
+                 scales: str = "rank1", signed_map: str | None = None,
+                 correction: str | None = None):
         block = self.default_block if block is None else block
         quant.check_params(self.code_bits, block, signed, signed_map, scales)
         if rounding not in ROUNDINGS:
@@ -60,10 +63,14 @@ class QuantCodec(Codec):
         if rounding == "dither" and (not signed or signed_map == "de"):
             raise CodecError("rounding 'dither' is for signed data on the sqrt or linear map "
                              "(Adam's m); use 'stochastic' for the unsigned v")
+        if correction is not None and (rounding != "dither" or correction not in quant.DITHER_CORRECTIONS):
+            raise CodecError(f"quantization correction must be one of {quant.DITHER_CORRECTIONS}, "
+                             f"of rounding 'dither', got {correction!r} with rounding {rounding!r}")
         if signed_map == quant.default_map(self.code_bits):
             signed_map = None  # the width's own map: the spec stays what older releases wrote
         self.signed, self.block, self.rounding, self.scales = signed, block, rounding, scales
         self.signed_map = signed_map
+        self.correction = correction
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> QuantCodec:
@@ -89,6 +96,8 @@ class QuantCodec(Codec):
                                "rounding": self.rounding, "scales": self.scales}
         if self.signed_map is not None:
             out["signed_map"] = self.signed_map
+        if self.correction is not None:
+            out["correction"] = self.correction
         return out
 
     def check_dtype(self, dtype: torch.dtype) -> None:
@@ -118,7 +127,8 @@ class QuantCodec(Codec):
     def decode_payload(self, payload: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """A float32 tensor of ``shape`` from the stored bytes as a uint8 tensor (any device)."""
         return quant.dequantize(payload, shape, self.code_bits, self.block, self.signed, self.name,
-                                mode=self.rounding, smap=self.signed_map, scales=self.scales)
+                                mode=self.rounding, smap=self.signed_map, scales=self.scales,
+                                correction=self.correction)
 
     def zarr_codecs(self, dtype: torch.dtype) -> list[dict[str, Any]]:
         """The registered zarr codec ``tierstore.<name>``; the zarr array's dtype is float32."""

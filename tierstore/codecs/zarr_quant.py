@@ -37,6 +37,7 @@ class ZarrQuantCodec(ArrayBytesCodec):
     rounding: str = "nearest"  # how this codec encodes; decoding reads it only for "dither"
     scales: str = "rank1"
     signed_map: str | None = None  # None: the width's own map
+    correction: str | None = None  # None: a dithered chunk decodes without correction
     tier_codec: Any = None
 
     #: the wrapped tierstore codec class (set by subclasses)
@@ -48,20 +49,22 @@ class ZarrQuantCodec(ArrayBytesCodec):
         object.__setattr__(self, "tier_codec", self.codec_cls(signed=self.signed, block=block,
                                                               rounding=self.rounding,
                                                               scales=self.scales,
-                                                              signed_map=self.signed_map))
+                                                              signed_map=self.signed_map,
+                                                              correction=self.correction))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ZarrQuantCodec:
         """Build from the ``zarr.json`` entry ``{"name": ..., "configuration": {...}}``."""
         config = dict(data.get("configuration") or {})
-        unknown = set(config) - {"signed", "block", "rounding", "scales", "signed_map"}
+        unknown = set(config) - {"signed", "block", "rounding", "scales", "signed_map",
+                               "correction"}
         if unknown:
             raise CodecError(f"{data.get('name')}: unknown configuration keys {sorted(unknown)}")
         # refuses tierstore 0.1.0's per-block chunks (no "scales") rather than misreading them
         cls.codec_cls.from_params(config)
         return cls(signed=config.get("signed", True), block=config.get("block", 0),
                    rounding=config.get("rounding", "nearest"), scales=config["scales"],
-                   signed_map=config.get("signed_map"))
+                   signed_map=config.get("signed_map"), correction=config.get("correction"))
 
     def to_dict(self) -> dict[str, Any]:
         """The ``zarr.json`` entry, as ``QuantCodec.zarr_codecs`` writes it."""
