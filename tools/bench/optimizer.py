@@ -92,22 +92,29 @@ class _Timed:
 
 
 def disk_rate(folder: str, nbytes: int, piece: int, sync: bool = False) -> tuple[float, float]:
-    """Seconds to write ``nbytes`` in new files of ``piece`` bytes and read them back.
+    """Seconds to write ``nbytes`` over files of ``piece`` bytes written once before, and read them back.
 
-    ``sync``: fdatasync each file. The store's write-backs for room do not (a commit syncs
-    what is still the head then), so the floor is measured without.
+    Over files that exist, as the store's write-backs for room write: a key's spilled state
+    goes into the folder of the generation it supersedes (``recycle_folder``). ``sync``:
+    fdatasync each file. The store's write-backs for room do not (a commit syncs what is still
+    the head then), so the floor is measured without.
     """
     buf = os.urandom(min(piece, nbytes))
     paths = [os.path.join(folder, f"rate.{i}") for i in range(-(-nbytes // len(buf)))]
+
+    def write_all() -> None:
+        for p in paths:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT, 0o644)
+            try:
+                os.pwrite(fd, buf, 0)
+                if sync:
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+
+    write_all()  # the files the timed write goes over
     t0 = time.perf_counter()
-    for p in paths:
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.pwrite(fd, buf, 0)
-            if sync:
-                os.fdatasync(fd)
-        finally:
-            os.close(fd)
+    write_all()
     t1 = time.perf_counter()
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
@@ -212,8 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if least:
             w_s, r_s = disk_rate(folder, least, store.config.chunk_bytes or 16 * mib)
             floor = max(t_plain, w_s + r_s)
-            print(f"this disk moves the minimum in {w_s:.3f} s written (new files, not synced, as the "
-                  f"store's write-backs for room) + "
+            print(f"this disk moves the minimum in {w_s:.3f} s written (over existing files, not synced, "
+                  f"as the store's write-backs for room) + "
                   f"{r_s:.3f} s read = {w_s + r_s:.3f} s; the step's floor max(in memory, disk) = "
                   f"{floor:.3f} s; store step {t_store / floor:.2f}x the floor")
         # both sides ran the same steps on the same gradients: with raw moments, the same weights
