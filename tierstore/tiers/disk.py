@@ -56,6 +56,8 @@ def coalesce(entries: Sequence[Inner]) -> list[Run]:
             iovs = k
         end = at + sum(memoryview(b).nbytes for b in bufs) + 4
     return runs
+
+
 _KEY_DIRS_REMEMBERED = 8192  # as many keys as the key check remembers (tierstore.keys)
 _SYNCFS_ABOVE = 32  # beyond this many files and folders one syncfs beats fsync calls
 
