@@ -27,6 +27,7 @@ from tierstore.leases import PinTable
 from tierstore.plan import AccessPlan
 from tierstore.prefetch import AccessPredictor
 from tierstore.records import CRC_PENDING, GenRecord
+from tierstore.settle import mark_retrieved
 from tierstore.shard_reads import fill_sharded, gather_sharded
 from tierstore.shards import ShardMap
 from tierstore.stats import Counters, Tracer
@@ -39,12 +40,6 @@ from tierstore.writes import chunk_crc
 T = TypeVar("T")
 
 Index = slice | int | torch.Tensor | Sequence[int] | None
-
-
-def _retrieved(fut: asyncio.Future[Any]) -> None:
-    """Mark a finished future's failure retrieved (asyncio logs one nobody retrieved)."""
-    if not fut.cancelled():
-        fut.exception()
 
 
 class ReadPath:
@@ -401,7 +396,7 @@ class ReadPath:
 
     def _read_done(self, cid: tuple[int, int], task: asyncio.Task[torch.Tensor]) -> None:
         self._reads.pop(cid, None)
-        _retrieved(task)  # every reader may have been cancelled
+        mark_retrieved(task)  # every reader may have been cancelled
         self._pins.unpin(cid[0])
 
     async def _io_pinned(self, gen: int, fn: Callable[..., T], *args: Any) -> T:
@@ -414,7 +409,7 @@ class ReadPath:
         self._pins.pin(gen)
 
         def done(f: asyncio.Future[T]) -> None:
-            _retrieved(f)
+            mark_retrieved(f)
             self._pins.unpin(gen)
 
         fut.add_done_callback(done)
@@ -476,7 +471,7 @@ class ReadPath:
         if wait:
             # shielded: cancelling this wait must not cancel loads a concurrent get also awaits
             loads = asyncio.gather(*tasks)
-            loads.add_done_callback(_retrieved)  # nobody may await it once this wait is cancelled
+            loads.add_done_callback(mark_retrieved)  # nobody may await it once this wait is cancelled
             await asyncio.shield(loads)
 
     def _prefetch_keys(self, keys: list[str], to: str) -> list[asyncio.Task[Any]]:

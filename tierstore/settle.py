@@ -31,3 +31,9 @@ async def settle(tasks: list[asyncio.Task[Any]]) -> list[BaseException]:
         await asyncio.wait(tasks)
     return [asyncio.CancelledError() if t.cancelled() else t.exception() for t in tasks
             if t.cancelled() or t.exception() is not None]  # type: ignore[misc]
+
+
+def mark_retrieved(fut: asyncio.Future[Any]) -> None:
+    """Mark a finished future's failure retrieved (asyncio logs one nobody retrieved); a done callback."""
+    if not fut.cancelled():
+        fut.exception()

@@ -46,7 +46,7 @@ from tierstore.errors import BudgetError, DiskError, LoanWritten, StoreError
 from tierstore.layout import ChunkGrid, zarr_metadata
 from tierstore.records import CRC_PENDING, GenRecord
 from tierstore.retirement import delete_folder, spawn_retiring
-from tierstore.settle import settle
+from tierstore.settle import mark_retrieved, settle
 from tierstore.shards import (
     TRAILER,
     shard_count,
@@ -395,7 +395,12 @@ async def write_owed_meta(store: AsyncStore) -> None:
         store._meta_owed.discard(rec.generation)
 
     owed = [r for r in store._head.values() if r.generation in store._meta_owed]
-    failures = await settle([store._spawn(one(r)) for r in owed])
+    tasks = [store._spawn(one(r)) for r in owed]
+    for t in tasks:
+        # a cancelled commit leaves them running, and nobody else waits for them: a failure
+        # is seen here or by the next commit, which finds the generation still owed
+        t.add_done_callback(mark_retrieved)
+    failures = await settle(tasks)
     if failures:
         raise failures[0]
 
