@@ -133,7 +133,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     times: dict[str, list[float]] = {name: [] for name in RUNS}
     stalls: dict[str, list[float]] = {name: [] for name in RUNS[2:]}
     busy = dict.fromkeys(RUNS[2:], 0.0)
-    total = dict.fromkeys(RUNS[2:], 0.0)
     stats: dict[str, Any] = {}
     load0 = os.getloadavg()[0]
     for r in range(a.rounds):
@@ -157,12 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             times[name] += [e["step_s"] for e in log]
             stalls[name] += [e["stall_s"] for e in log]
             busy[name] += sum(e["optimizer_s"] for e in log)
-            total[name] += sum(e["step_s"] for e in log)
     if a.dir is None:
         shutil.rmtree(folder, ignore_errors=True)
     rows = [(RUNS[0], statistics.median(times[RUNS[0]]), None, None),
             (RUNS[1], statistics.median(times[RUNS[1]]), None, None)]
-    rows += [(name, statistics.median(times[name]), statistics.median(stalls[name]), busy[name] / total[name])
+    rows += [(name, statistics.median(times[name]), statistics.median(stalls[name]), busy[name] / sum(times[name]))
              for name in RUNS[2:]]
     base, ckpt = rows[0][1], rows[1][1]
     print(f"{'run':42s} {'step s':>8s} {'tokens/s':>9s} {'vs plain':>9s} {'vs ckpt':>8s} {'stall s':>8s} "
