@@ -81,7 +81,7 @@ class Generator:
         self.n_groups = self.n_layers + 2
         # a CPU window lends the RAM tier's buffers: a copy into it would be pure overhead
         # (measured: the copy of 89 MiB of weights a token cost more than the compute)
-        self.lend = self.device.type == "cpu"
+        self.lend = self.engine.lend
         self.binds = self._bindings()
         self.cache_kwarg = cache_kwarg(self.parts.body)
 

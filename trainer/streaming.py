@@ -99,7 +99,7 @@ class StreamingEngine:
     def __init__(self, parts: ModelParts, store: Any, device: torch.device, bf16: bool = False,
                  store_lock: contextlib.AbstractContextManager[Any] | None = None,
                  before_fetch: Callable[[int], None] | None = None, window_bytes: int | None = None,
-                 drain: GradDrain | None = None) -> None:
+                 drain: GradDrain | None = None, lend: bool | None = None) -> None:
         self.parts = parts
         self.store = store
         self.device = device
@@ -113,6 +113,10 @@ class StreamingEngine:
             self.reads[-1].append(parts.head_params["weight"])
         self.body_prefix = f"{parts.body_name}." if parts.body_name else ""
         self.window_bytes = window_bytes
+        # On the CPU the window is host memory too: a layer computes on the RAM tier's own
+        # buffers (``get(copy=False)``: read-only loans, no copy into the window), and weights
+        # are read ahead into the RAM tier. A tensor the store cannot lend is still copied.
+        self.lend = device.type == "cpu" if lend is None else lend
         self.read_bytes = [sum(int(store.info(n).nbytes) for n in names) for names in self.reads]
         biggest = max(range(len(self.reads)), key=self.read_bytes.__getitem__)
         if window_bytes is not None and self.read_bytes[biggest] > window_bytes:
@@ -134,7 +138,8 @@ class StreamingEngine:
             self.before_fetch(g)  # never prefetch weights an update has yet to write
         both = self.read_bytes[g] + self.read_bytes[current]
         # A window too small for two pieces gets no double buffering: warm the RAM tier instead.
-        to = "device" if self.window_bytes is None or both <= self.window_bytes else "host"
+        fits = self.window_bytes is None or both <= self.window_bytes
+        to = "device" if fits and not self.lend else "host"
         return self.reads[g], to
 
     def _fetch(self, g: int, grad: bool, ahead: int | None = None
@@ -153,7 +158,7 @@ class StreamingEngine:
         hint = None if ahead is None else self._hint(ahead, g)
         with self.lock:
             held = self.store.get_many(self.reads[g], device=self.device,
-                                       then_prefetch=[hint] if hint is not None else ())
+                                       then_prefetch=[hint] if hint is not None else (), copy=not self.lend)
         # Read-only: detach() shares the memory, and autograd never writes its leaves.
         out = {name: t.detach().requires_grad_(grad) if grad else t
                for name, t in zip(self.reads[g], held, strict=True)}

@@ -170,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{'' if st is None else f'{st:.3f}':>8s} {'' if share is None else f'{share:.0%}':>9s}")
     print(f"streaming store (RAM 1/2 of the state): peak device {stats['peak_device_bytes'] / 2**20:.1f} MiB, peak host "
           f"{stats['peak_host_bytes'] / 2**20:.1f} MiB, disk read {stats['bytes_read_disk'] / 2**20:.0f} MiB, "
-          f"written {stats['bytes_written_disk'] / 2**20:.0f} MiB, h2d {stats['bytes_h2d'] / 2**20:.0f} MiB")
+          f"written {stats['bytes_written_disk'] / 2**20:.0f} MiB, h2d {stats['bytes_h2d'] / 2**20:.0f} MiB, "
+          f"weights lent from the RAM tier {stats['bytes_lent'] / 2**20:.0f} MiB (a CPU window copies none)")
     print(f"load average (1 min) before/after: {load0:.2f}/{os.getloadavg()[0]:.2f}; "
           f"{a.rounds} rounds x {a.steps} timed steps per run; medians")
     print("vs plain: tokens/s over plain PyTorch's; vs ckpt: step time over plain PyTorch's with checkpointing")
