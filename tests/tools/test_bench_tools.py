@@ -220,6 +220,30 @@ def test_runs_record_appends_and_skips(capsys: pytest.CaptureFixture[str], tmp_p
     assert "%" in rows[1] and "(" in rows[1]  # mean gap with its range over the two seeds
 
 
+def test_runs_markdown_gives_the_standard_error_from_three_seeds() -> None:
+    """A row over three or more seeds reads ``mean ± standard error (min..max)`` of its paired
+    gaps (the error in percentage points); a row over two seeds has no standard error."""
+    q8 = convergence_runs.codec_specs("q8")
+
+    def run(codec: str, seed: int, train: float, held: float) -> dict:
+        return {"codec": codec, "codec_specs": q8 if codec == "q8" else {}, "size": "0.01M (8x1)",
+                "params": 10_000, "lr": 1e-3, "seed": seed, "steps": 3, "train": train,
+                "held-out": held, "cpu_seconds": 1.0}
+
+    # train gaps -1%, 0%, +2%: mean +0.33%, sd 1.528 points, se 0.882; held-out gaps +1%, +1%, +4%
+    records = [run("fp32", s, 2.0, 4.0) for s in range(3)]
+    records += [run("q8", 0, 1.98, 4.04), run("q8", 1, 2.00, 4.04), run("q8", 2, 2.04, 4.16)]
+    table = convergence_runs.markdown(records, 3)
+    assert table == convergence_runs.markdown(list(records), 3)  # deterministic
+    row = next(ln for ln in table.splitlines() if "| q8 |" in ln).split(" | ")
+    assert row[3:] == ["0,1,2", "2.0067", "+0.33% ± 0.88 (-1.00%..+2.00%)", "4.0800",
+                       "+2.00% ± 1.00 (+1.00%..+4.00%)", "1 |"]
+    assert convergence_runs.standard_error([-0.01, 0.0, 0.02]) == pytest.approx(0.0088192, rel=1e-4)
+    two = convergence_runs.markdown([r for r in records if r["seed"] < 2], 3)
+    row = next(ln for ln in two.splitlines() if "| q8 |" in ln).split(" | ")
+    assert row[5] == "-0.50% (-1.00%..+0.00%)" and "±" not in two
+
+
 def test_runs_record_labels_follow_the_codec_specs() -> None:
     """A request whose coding changed since its run is reported with the recorded parameters
     that differ; the same specs under an explicit request and a short name are one run."""

@@ -330,9 +330,11 @@ Generated from `{record}` by `python -m tools.bench.convergence --from-jsonl {re
 --markdown docs/convergence/README.md --png docs/convergence_grid.png` (do not edit by hand).
 Every row: runs of {steps} steps of `tools.bench.convergence` (byte-level Llama, AdamW betas
 (0.9, 0.95), weight decay 0.1, clipping 1.0, 5% warm-up, batch 8x128 bytes); `vs fp32` is the
-mean over seeds of the gap to the same seed's fp32 run (min..max over seeds); CPU seconds of
-one run at one torch thread on the machine each line of the record names. Codec specs, commits
-and loss curves are in the record.
+mean over seeds of the gap to the same seed's fp32 run, from three seeds on ± the standard
+error of that mean (sample standard deviation of the gaps over the square root of their count,
+in percentage points), and (min..max over seeds); CPU seconds of one run on the machine each
+line of the record names (its torch threads included). Codec specs, commits and loss curves
+are in the record.
 
 ![loss curves](../convergence_grid.png)
 

@@ -180,16 +180,32 @@ def estimate_seconds(records: list[dict[str, Any]], hidden: int, layers: int, co
     return max(r["seconds"] / r["steps"] for r in same) * steps
 
 
+#: the fewest seeds a row's mean gap is given a standard error for
+MIN_SEEDS_FOR_SE = 3
+
+
+def standard_error(xs: list[float]) -> float:
+    """The standard error of the mean of ``xs``: their sample standard deviation (n - 1) over
+    the square root of their count; needs two or more."""
+    n = len(xs)
+    mean = sum(xs) / n
+    return math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1) / n)
+
+
 def _fmt_gap(gaps: list[float]) -> str:
+    """``mean`` for one seed, ``mean (min..max)`` for two, ``mean ± se (min..max)`` from three
+    on; the standard error in percentage points, like the gaps."""
     mean = sum(gaps) / len(gaps)
     if len(gaps) == 1:
         return f"{mean:+.2%}"
-    return f"{mean:+.2%} ({min(gaps):+.2%}..{max(gaps):+.2%})"
+    se = f" ± {standard_error(gaps) * 100:.2f}" if len(gaps) >= MIN_SEEDS_FOR_SE else ""
+    return f"{mean:+.2%}{se} ({min(gaps):+.2%}..{max(gaps):+.2%})"
 
 
 def markdown(records: list[dict[str, Any]], steps: int) -> str:
     """One table row per (size, lr, codec) over the runs of ``steps`` steps: seeds, mean losses,
-    the paired gap to the same seeds' fp32 runs (mean, min..max), CPU seconds per run."""
+    the paired gap to the same seeds' fp32 runs (mean, its standard error from
+    ``MIN_SEEDS_FOR_SE`` seeds on, min..max), CPU seconds per run."""
     runs = [r for r in records if r.get("steps") == steps]
     cells: dict[tuple[int, str, float], dict[str, dict[int, dict[str, Any]]]] = {}
     for r, name in zip(runs, labels(runs), strict=True):
