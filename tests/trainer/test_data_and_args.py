@@ -122,18 +122,24 @@ def test_schedules_match_transformers(kind: str, warmup: float) -> None:
 
 
 def test_moment_codec_policy_warns_off_goal_codecs() -> None:
-    """Codecs whose measured loss gap misses the goal are opt-in with a warning naming the gap."""
+    """Codecs whose measured loss gap or update length misses its goal are opt-in with a warning naming it."""
     import warnings
 
-    from trainer.optimizer import MOMENT_CODEC_GAPS, moment_codec_name
+    from trainer.optimizer import MOMENT_CODEC_GAPS, MOMENT_UPDATE_LENGTH, moment_codec_name
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # raw and the in-goal codec stay silent
         assert moment_codec_name(None) == "raw"
         assert moment_codec_name("q8") == "q8"
         assert moment_codec_name(True) == "q8"  # the default: the codec that met its goal
-    for name, goal_text in (("q2", "3% goal"), ("q3", "3% goal"), ("q4", "1% goal")):
+    for name, goal_text in (("q2", "3% goal"), ("q3", "3% goal")):
         gap, goal = MOMENT_CODEC_GAPS[name]
         assert abs(gap) > goal
         with pytest.warns(UserWarning, match=rf"'{name}'.*{re.escape(f'{gap * 100:+.2f}')}%.*{goal_text}"):
             assert moment_codec_name(name) == name
+    # q4's loss met its goal, its update's length did not: the warning says which
+    gap, goal = MOMENT_CODEC_GAPS["q4"]
+    length, length_goal = MOMENT_UPDATE_LENGTH["q4"]
+    assert abs(gap) <= goal and abs(length - 1) > length_goal
+    with pytest.warns(UserWarning, match=rf"'q4'.*{length:.3f}x as long.*2% goal.*within 1%.*{re.escape(f'{gap * 100:+.2f}')}%"):
+        assert moment_codec_name("q4") == "q4"
