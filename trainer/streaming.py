@@ -1,8 +1,9 @@
 """The layer-streaming engine: one micro-batch forward and backward with weights from the store.
 
 The model's own modules are the stateless templates: their parameters stay on the meta device and
-``torch.func.functional_call`` binds the tensors fetched from the store's device window just
-before each piece runs, while the next piece's weights are prefetched. Only the layer-boundary
+``torch.func.functional_call`` binds the tensors fetched from the store's device window (on the
+CPU, the RAM tier's own buffers, lent) just before each piece runs, while the next piece's
+weights are prefetched. Only the layer-boundary
 activations are kept (activation checkpointing at layer boundaries); backward walks the layers
 in reverse, re-fetches each layer's weights, recomputes it with autograd on, and hands the
 parameter gradients to a sink on the host at once.
@@ -144,7 +145,8 @@ class StreamingEngine:
 
     def _fetch(self, g: int, grad: bool, ahead: int | None = None
                ) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-        """Group ``g``'s weights from the device window, and the window tensors to hold meanwhile.
+        """Group ``g``'s weights from the device window (on the CPU: lent by the RAM tier), and
+        the tensors to hold meanwhile.
 
         ``ahead``: the group to prefetch next, started in the same hop to the store's loop once
         ``g``'s reads are done (one hop a group, not one a tensor: each hop wakes the loop thread,
