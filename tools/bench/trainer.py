@@ -11,7 +11,9 @@ parts the store's own cost from the cost of spilling. The first step of each run
 and is not timed. ``vs ckpt``: the step time over plain PyTorch's with checkpointing (the
 streaming trainer checkpoints too). ``--timeline PNG`` draws the last
 round's streaming step ``--steps`` (the next to last: the last one also holds the final commit) as
-``tierstore trace RUN_DIR --step N`` would, and keeps its Chrome trace next to it.
+``tierstore trace RUN_DIR --step N`` would, and keeps its Chrome trace next to it. ``core-s``
+and ``idle``: the process's CPU seconds a step and the share of the cores it left unused (on
+two cores each core-second the store's threads take costs the step more than its own length).
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ def _config(a: argparse.Namespace) -> Any:
                        max_position_embeddings=a.seq, bos_token_id=0, eos_token_id=1)
 
 
-def _plain(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], checkpointing: bool) -> list[float]:
-    """Step times of plain PyTorch training (forward, backward, clip, AdamW) in RAM."""
+def _plain(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], checkpointing: bool
+           ) -> list[tuple[float, float]]:
+    """(wall, process CPU) seconds of each plain PyTorch step (forward, backward, clip, AdamW) in RAM."""
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -57,15 +60,34 @@ def _plain(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], check
     return times[1:]
 
 
-def _plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict[str, torch.Tensor]) -> float:
-    """One plain step's seconds: forward, backward, clip, AdamW, zero_grad."""
-    t0 = time.perf_counter()
+def _plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict[str, torch.Tensor]
+                ) -> tuple[float, float]:
+    """One plain step's (wall seconds, process CPU seconds): forward, backward, clip, AdamW, zero_grad."""
+    t0, c0 = time.perf_counter(), time.process_time()
     out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"])
     out.loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def _step_clock() -> Any:
+    """A trainer callback noting wall and process CPU time at each step's end."""
+    from trainer.callbacks import TrainerCallback
+
+    class StepClock(TrainerCallback):
+        def __init__(self) -> None:
+            self.marks: list[float] = [time.process_time()]
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.marks.append(time.process_time())
+
+        def cpu(self) -> list[float]:
+            """Process CPU seconds of each step (the first one's from the run's start)."""
+            return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
+
+    return StepClock()
 
 
 def _streaming(model: torch.nn.Module, dataset: Any, a: argparse.Namespace, vram: int, ram: int,
@@ -77,13 +99,17 @@ def _streaming(model: torch.nn.Module, dataset: Any, a: argparse.Namespace, vram
     args = mt.TrainingArguments(output_dir=folder, per_device_train_batch_size=a.batch, gradient_accumulation_steps=1,
                                 learning_rate=1e-4, weight_decay=0.01, max_steps=a.steps + 1, logging_steps=1,
                                 save_steps=0, max_grad_norm=1.0, disable_tqdm=True)
-    tr = mt.Trainer(model=model, train_dataset=dataset, args=args)
+    clock = _step_clock()
+    tr = mt.Trainer(model=model, train_dataset=dataset, args=args, callbacks=[clock])
     try:
         tr.train()
         stats = tr.store.stats()
     finally:
         tr.close()
-    return [e for e in tr.state.log_history if "loss" in e][1:], stats
+    log = [e for e in tr.state.log_history if "loss" in e]
+    for e, cpu in zip(log, clock.cpu(), strict=False):
+        e["cpu_s"] = cpu
+    return log[1:], stats
 
 
 def _draw_step(run_dir: str, step: int, out: str) -> None:
@@ -131,6 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"RAM {ram / 2**20:.1f} MiB (1/2 of the training state)")
     # Rounds alternate the three runs, so that load from other processes falls on all of them.
     times: dict[str, list[float]] = {name: [] for name in RUNS}
+    cpus: dict[str, list[float]] = {name: [] for name in RUNS}
     stalls: dict[str, list[float]] = {name: [] for name in RUNS[2:]}
     busy = dict.fromkeys(RUNS[2:], 0.0)
     stats: dict[str, Any] = {}
@@ -139,7 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, ckpt in ((RUNS[0], False), (RUNS[1], True)):
             m = AutoModelForCausalLM.from_config(config)
             m.load_state_dict(init)
-            times[name] += _plain(m, batches, ckpt)
+            for wall, cpu in _plain(m, batches, ckpt):
+                times[name].append(wall)
+                cpus[name].append(cpu)
             del m
         for name, budget in ((RUNS[2], ram), (RUNS[3], 2 * state)):
             m = AutoModelForCausalLM.from_config(config)
@@ -154,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if name == RUNS[2]:
                 stats = run_stats
             times[name] += [e["step_s"] for e in log]
+            cpus[name] += [e["cpu_s"] for e in log if "cpu_s" in e]
             stalls[name] += [e["stall_s"] for e in log]
             busy[name] += sum(e["optimizer_s"] for e in log)
     if a.dir is None:
@@ -163,11 +193,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows += [(name, statistics.median(times[name]), statistics.median(stalls[name]), busy[name] / sum(times[name]))
              for name in RUNS[2:]]
     base, ckpt = rows[0][1], rows[1][1]
-    print(f"{'run':42s} {'step s':>8s} {'tokens/s':>9s} {'vs plain':>9s} {'vs ckpt':>8s} {'stall s':>8s} "
-          f"{'optimizer':>9s}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    print(f"{'run':42s} {'step s':>8s} {'tokens/s':>9s} {'vs plain':>9s} {'vs ckpt':>8s} {'core-s':>7s} "
+          f"{'idle':>5s} {'stall s':>8s} {'optimizer':>9s}")
     for name, s, st, share in rows:
-        print(f"{name:42s} {s:8.3f} {tokens / s:9.0f} {base / s:8.2f}x {s / ckpt:7.2f}x "
-              f"{'' if st is None else f'{st:.3f}':>8s} {'' if share is None else f'{share:.0%}':>9s}")
+        cpu = statistics.median(cpus[name]) if cpus[name] else float("nan")
+        print(f"{name:42s} {s:8.3f} {tokens / s:9.0f} {base / s:8.2f}x {s / ckpt:7.2f}x {cpu:7.2f} "
+              f"{1 - cpu / (cores * s):5.0%} {'' if st is None else f'{st:.3f}':>8s} "
+              f"{'' if share is None else f'{share:.0%}':>9s}")
     print(f"streaming store (RAM 1/2 of the state): peak device {stats['peak_device_bytes'] / 2**20:.1f} MiB, peak host "
           f"{stats['peak_host_bytes'] / 2**20:.1f} MiB, disk read {stats['bytes_read_disk'] / 2**20:.0f} MiB, "
           f"written {stats['bytes_written_disk'] / 2**20:.0f} MiB, h2d {stats['bytes_h2d'] / 2**20:.0f} MiB, "
@@ -176,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{a.rounds} rounds x {a.steps} timed steps per run; medians")
     print("vs plain: tokens/s over plain PyTorch's; vs ckpt: step time over plain PyTorch's with checkpointing")
     print("optimizer = share of the streaming step spent in the CPU AdamW update (worker thread, overlapped)")
+    print(f"core-s = the process's CPU seconds a step (all threads); idle = the share of the {cores} cores' "
+          "time in the step that no thread of the process used")
     return 0
 
 
