@@ -42,6 +42,9 @@ class SessionConfig:
     """The compute device; None: cuda if available, else cpu."""
     keep_last: int | None = None
     """Commits the store retains (None: tierstore's default); 1 keeps one copy of the state on disk."""
+    chunk_bytes: int | None = None
+    """The store's chunk size (None: tierstore's default, 16 MiB or a quarter of the RAM budget).
+    On the CPU a weight in one chunk is lent to the layers, not copied into the window."""
 
 
 _session = SessionConfig()
@@ -70,8 +73,8 @@ def _default_ram_budget(device_budget: int | str | None = None, device: str | No
 
 def init(offload_dir: str | None = None, max_vram_gb: float | str | None = 80, max_ram_gb: float | str | None = None,
          optimizer_compression: bool | str | None = True, device: str | None = None,
-         keep_last: int | None = None) -> SessionConfig:
-    """Configure where the store lives and its budgets (GB as numbers, or size strings like "64MiB")."""
+         keep_last: int | None = None, chunk_bytes: int | str | None = None) -> SessionConfig:
+    """Configure where the store lives, its budgets (GB as numbers, or size strings like "64MiB") and chunk size (bytes or a size string)."""
     global _session
     memory.tune_malloc()  # freed tensors go back to the OS, so RSS follows what is really held
     vram = _budget(max_vram_gb, "max_vram_gb")
@@ -82,6 +85,7 @@ def init(offload_dir: str | None = None, max_vram_gb: float | str | None = 80, m
         optimizer_compression=optimizer_compression,
         device=device,
         keep_last=keep_last,
+        chunk_bytes=tierstore.config.parse_size(chunk_bytes, "chunk_bytes"),
     )
     return _session
 
@@ -107,7 +111,9 @@ def open_store(path: str, mode: str = "a") -> Any:
     if store is not None and not store.closed:
         return store
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    extra = {} if _session.keep_last is None else {"keep_last": _session.keep_last}
+    extra: dict[str, Any] = {} if _session.keep_last is None else {"keep_last": _session.keep_last}
+    if _session.chunk_bytes is not None:
+        extra["chunk_bytes"] = _session.chunk_bytes
     store = tierstore.open(path, mode=mode, ram_budget=_session.ram_budget, device_budget=_session.device_budget,
                            device=str(compute_device()), **extra)
     # a store left open by a failed run is closed at exit, without a commit, by tierstore itself

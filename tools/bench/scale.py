@@ -210,6 +210,7 @@ class ChildSpec:
     seed: int
     threads: int
     resume: bool = False
+    chunk: int | None = None
 
 
 def _emit(kind: str, **fields: Any) -> None:
@@ -275,7 +276,7 @@ def child(spec: ChildSpec) -> None:
 
     shape = Shape(spec.hidden, spec.intermediate, spec.heads, spec.layers)
     mt.init(offload_dir=spec.store, max_vram_gb=f"{spec.vram}B", max_ram_gb=f"{spec.ram}B",
-            optimizer_compression="q4", device="cpu", keep_last=1)
+            optimizer_compression="q4", device="cpu", keep_last=1, chunk_bytes=spec.chunk)
     torch.manual_seed(spec.seed)  # the random init: the same weights in every run
     t0 = time.perf_counter()
     import warnings
@@ -491,6 +492,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vram-gb", type=float, default=None,
                    help="device window (on the CPU: RAM too; default: 6 layers, at least 2 largest tensors)")
     p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--chunk-mib", type=int, default=None,
+                   help="the store's chunk size (default: the store's, 16 MiB or a quarter of the RAM tier); "
+                        "on the CPU a weight in one chunk is lent to the layers instead of copied into the window")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--kill-after", type=int, default=1, help="SIGKILL during the step after this commit (0: no kill run)")
@@ -555,7 +559,8 @@ def _bench(a: argparse.Namespace) -> int:
           f"fp32 matmul {flops / 1e9:.1f} GFLOP/s ({a.threads} threads)", flush=True)
     spec = ChildSpec(store=os.path.join(folder, "a", "store"), out=os.path.join(folder, "a"), hidden=shape.hidden,
                      intermediate=shape.intermediate, heads=shape.heads, layers=shape.layers, seq=a.seq,
-                     steps=a.steps, ram=ram, vram=vram, lr=a.lr, seed=a.seed, threads=a.threads)
+                     steps=a.steps, ram=ram, vram=vram, lr=a.lr, seed=a.seed, threads=a.threads,
+                     chunk=None if a.chunk_mib is None else a.chunk_mib * _MIB)
     runs: dict[str, RunResult] = {}
     try:
         if a.reference_losses:
@@ -639,7 +644,7 @@ def report(a: argparse.Namespace, s: Shape, ram_total: int, ram: int, vram: int,
           f"{_gb(stored.get('weights', W) + M)} on disk (no stored gradients) vs RAM {_gb(ram_total)}")
     layer = 4 * s.layer_params
     groups = [4 * s.vocab * s.hidden] + [layer] * s.layers + [4 * (s.vocab * s.hidden + s.hidden)]
-    chunk = min(16 * _MIB, ram // 4)
+    chunk = a.chunk_mib * _MIB if a.chunk_mib else min(16 * _MIB, ram // 4)
     act = s.layers * a.seq * s.hidden * 4 + 16 * a.seq * max(s.intermediate, s.vocab) * 4
     plan = memory.rss_plan(baseline=imported, ram_budget=ram, device_budget=vram, cpu_window=True,
                            group_bytes=groups, largest_tensor_bytes=4 * s.largest_tensor, chunk_bytes=chunk,
