@@ -560,7 +560,7 @@ def _bench(a: argparse.Namespace) -> int:
     spec = ChildSpec(store=os.path.join(folder, "a", "store"), out=os.path.join(folder, "a"), hidden=shape.hidden,
                      intermediate=shape.intermediate, heads=shape.heads, layers=shape.layers, seq=a.seq,
                      steps=a.steps, ram=ram, vram=vram, lr=a.lr, seed=a.seed, threads=a.threads,
-                     chunk=None if a.chunk_mib is None else a.chunk_mib * _MIB)
+                     chunk=_chunk_bytes(a))
     runs: dict[str, RunResult] = {}
     try:
         if a.reference_losses:
@@ -627,6 +627,11 @@ def compare(ref: RunResult, killed: RunResult, resumed: RunResult, kill_after: i
     return ok
 
 
+def _chunk_bytes(a: argparse.Namespace) -> int | None:
+    """``--chunk-mib`` in bytes; None: the store's default."""
+    return None if a.chunk_mib is None else a.chunk_mib * _MIB
+
+
 def report(a: argparse.Namespace, s: Shape, ram_total: int, ram: int, vram: int, run: RunResult, watch: DiskWatch,
            write_bw: float, read_bw: float, flops: float) -> None:
     """Print the figures of the uninterrupted run."""
@@ -644,7 +649,11 @@ def report(a: argparse.Namespace, s: Shape, ram_total: int, ram: int, vram: int,
           f"{_gb(stored.get('weights', W) + M)} on disk (no stored gradients) vs RAM {_gb(ram_total)}")
     layer = 4 * s.layer_params
     groups = [4 * s.vocab * s.hidden] + [layer] * s.layers + [4 * (s.vocab * s.hidden + s.hidden)]
-    chunk = a.chunk_mib * _MIB if a.chunk_mib else min(16 * _MIB, ram // 4)
+    import tierstore.config
+
+    # the store's own rule for its chunk size (16 MiB, at most a quarter of the RAM tier) unless set
+    chunk = tierstore.config.StoreConfig(ram_budget=ram, device="cpu", chunk_bytes=_chunk_bytes(a)).chunk_bytes
+    assert chunk is not None
     act = s.layers * a.seq * s.hidden * 4 + 16 * a.seq * max(s.intermediate, s.vocab) * 4
     plan = memory.rss_plan(baseline=imported, ram_budget=ram, device_budget=vram, cpu_window=True,
                            group_bytes=groups, largest_tensor_bytes=4 * s.largest_tensor, chunk_bytes=chunk,
