@@ -11,6 +11,9 @@ import torch
 from tierstore.errors import BudgetError, StoreError
 from tierstore.stats import DEFAULT_TRACE_EVENTS
 
+#: the chunk size of a store opened without ``chunk_bytes`` (and a RAM budget of at least 4x it)
+DEFAULT_CHUNK_BYTES = 16 * 2**20
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}
@@ -61,7 +64,8 @@ class StoreConfig:
     device_budget: int | None = None
     #: the compute device of the window; None = cuda if available, else cpu
     device: torch.device | None = None
-    #: target logical bytes per chunk; None = 16 MiB, shrunk to a quarter of a small RAM budget
+    #: target logical bytes per chunk; None = ``DEFAULT_CHUNK_BYTES``, shrunk to a quarter of a
+    #: small RAM budget
     chunk_bytes: int | None = None
     #: threads of the store's own I/O pool (pread/pwrite/fsync)
     io_threads: int = 4
@@ -87,7 +91,7 @@ class StoreConfig:
         else:
             self.device = torch.device(self.device)
         if self.chunk_bytes is None:
-            self.chunk_bytes = 16 * 2**20
+            self.chunk_bytes = DEFAULT_CHUNK_BYTES
             if self.ram_budget is not None:
                 self.chunk_bytes = max(4096, min(self.chunk_bytes, self.ram_budget // 4))
         if self.ram_budget is not None and self.ram_budget < self.chunk_bytes:

@@ -161,8 +161,11 @@ class Trainer:
     def store(self) -> Any:
         """The tierstore Store this run uses (opened on first use)."""
         if self._store is None:
-            self._store = open_store(self._default_store_path())
+            self._store = open_store(self._default_store_path(), chunk_bytes=self._chunk_bytes())
         return self._store
+
+    def _chunk_bytes(self) -> int | None:
+        return session.model_chunk_bytes(self.model, compute_device(self._cfg))
 
     def close(self) -> None:
         """Close the store (a later Trainer on the same folder reopens it)."""
@@ -227,7 +230,7 @@ class Trainer:
         if self._store is not None and os.path.abspath(self._store.path) != os.path.abspath(target.path):
             self.close()
         if self._store is None:
-            self._store = open_store(target.path)
+            self._store = open_store(target.path, chunk_bytes=self._chunk_bytes())
         bring_to_checkpoint(self._store, target, self._cfg.output_dir, self._dp, self._lock)
 
     # -- the loop --------------------------------------------------------------------------

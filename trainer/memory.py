@@ -27,6 +27,8 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import tierstore.config
+
 _MIB = 1 << 20
 _GIB = 1 << 30
 
@@ -159,6 +161,26 @@ def default_ram_budget(device_budget: int | None = None, cpu_window: bool = Fals
     if cpu_window and device_budget is not None:
         budget -= device_budget
     return max(64 * _MIB, int(budget))
+
+
+def layer_chunk_bytes(largest_layer_tensor_bytes: int, ram_budget: int | str | None) -> int | None:
+    """The chunk size that keeps each decoder-layer weight in one chunk, or None for tierstore's default.
+
+    A CPU window lends a weight stored in one chunk to the layer instead of copying it (at 1B
+    parameters, 16 MiB chunks split the MLP's weights and the copies put peak RSS above the
+    budgets). The size is the smallest power of two that holds the largest layer weight, never
+    below tierstore's default; None where that is the default already, or where it would exceed
+    a quarter of the RAM budget (tierstore's own bound on a chunk).
+    """
+    budget = tierstore.config.parse_size(ram_budget, "ram_budget")
+    size = tierstore.config.DEFAULT_CHUNK_BYTES
+    while size < largest_layer_tensor_bytes:
+        size *= 2
+    if size == tierstore.config.DEFAULT_CHUNK_BYTES:
+        return None
+    if budget is not None and size > budget // 4:
+        return None
+    return size
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,8 +43,9 @@ class SessionConfig:
     keep_last: int | None = None
     """Commits the store retains (None: tierstore's default); 1 keeps one copy of the state on disk."""
     chunk_bytes: int | None = None
-    """The store's chunk size (None: tierstore's default, 16 MiB or a quarter of the RAM budget).
-    On the CPU a weight in one chunk is lent to the layers, not copied into the window."""
+    """The store's chunk size. None: on the CPU the Trainer stores each decoder-layer weight in
+    one chunk (``memory.layer_chunk_bytes``), which the window lends to the layers instead of
+    copying it; elsewhere tierstore's default, 16 MiB or a quarter of the RAM budget."""
 
 
 _session = SessionConfig()
@@ -104,21 +105,38 @@ def compute_device(cfg: TrainingArguments | None = None) -> torch.device:
     return dev
 
 
-def open_store(path: str, mode: str = "a") -> Any:
-    """The session's store at ``path``: opened once per process with the configured budgets."""
+def open_store(path: str, mode: str = "a", chunk_bytes: int | None = None) -> Any:
+    """The session's store at ``path``: opened once per process with the configured budgets.
+
+    ``chunk_bytes``: the chunk size a model asks for (``memory.layer_chunk_bytes``), used
+    unless ``init(chunk_bytes=)`` set one.
+    """
     path = os.path.abspath(path)
     store = _open_stores.get(path)
     if store is not None and not store.closed:
         return store
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     extra: dict[str, Any] = {} if _session.keep_last is None else {"keep_last": _session.keep_last}
-    if _session.chunk_bytes is not None:
-        extra["chunk_bytes"] = _session.chunk_bytes
+    chunk_bytes = _session.chunk_bytes if _session.chunk_bytes is not None else chunk_bytes
+    if chunk_bytes is not None:
+        extra["chunk_bytes"] = chunk_bytes
     store = tierstore.open(path, mode=mode, ram_budget=_session.ram_budget, device_budget=_session.device_budget,
                            device=str(compute_device()), **extra)
     # a store left open by a failed run is closed at exit, without a commit, by tierstore itself
     _open_stores[path] = store
     return store
+
+
+def model_chunk_bytes(model: nn.Module, device: torch.device) -> int | None:
+    """The chunk size a store for ``model`` computed on ``device`` asks for (None: the store's default).
+
+    On the CPU, chunks that hold each decoder-layer weight whole (``memory.layer_chunk_bytes``),
+    so that the window lends the weights to the layers; a GPU window copies them either way.
+    """
+    if device.type != "cpu":
+        return None
+    largest = max((p.numel() for p in decompose(model).layers.parameters()), default=0)
+    return memory.layer_chunk_bytes(4 * largest, _session.ram_budget)  # the store keeps fp32 weights
 
 
 def is_open(path: str) -> bool:
@@ -148,9 +166,9 @@ def load_model(path_or_config: Any) -> nn.Module:
 
     path = (distributed.rank_store_path(_session.offload_dir) if _session.offload_dir
             else tempfile.mkdtemp(prefix="trainer-store-"))
-    store = open_store(path)
+    model = model_mod.skeleton_for(path_or_config)
+    store = open_store(path, chunk_bytes=model_chunk_bytes(model, compute_device()))
     if STATE_KEY in store.keys(prefix="trainer/") and store.versions():
-        model = model_mod.skeleton_for(path_or_config)
         missing = [n for n in decompose(model).all_params() if n not in set(store.keys())]
         if missing:
             raise ValueError(f"the store at {path} holds a run of another model (lacks {missing[:3]}); "

@@ -202,3 +202,47 @@ def test_init_chunk_bytes_sets_the_stores_chunks_and_what_a_cpu_window_can_lend(
         tr.close()
     assert s["lent"] > 0  # the norms are one chunk either way
     assert (s["bytes_h2d"] == 0) == lent_all
+
+
+def test_the_trainer_stores_each_layer_weight_in_one_chunk_on_the_cpu(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With the store's default chunk below a layer weight (1 KiB against 8 KiB matrices), the
+    # Trainer opens its store with chunks that hold one, so the CPU window lends every weight.
+    import torch
+    from transformers import LlamaConfig
+
+    import tierstore.config
+    import trainer as mt
+    from trainer import session
+
+    monkeypatch.setattr(session, "_session", session.current())
+    monkeypatch.setattr(tierstore.config, "DEFAULT_CHUNK_BYTES", 1024)
+    mt.init(offload_dir=f"{tmp_path}/store", max_vram_gb="2MiB", max_ram_gb="4MiB",
+            optimizer_compression="raw", device="cpu")
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2)  # 8 KiB MLP matrices
+    data = [{"input_ids": torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))} for i in range(4)]
+    args = mt.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, save_steps=0,
+                                logging_steps=1, disable_tqdm=True, report_to=[])
+    tr = mt.Trainer(model=mt.load_model(cfg), args=args, train_dataset=data)
+    try:
+        tr.train()
+        s = tr.store.stats()
+        assert tr.store.config.chunk_bytes == 8192
+        assert all(tr.store.info(n).chunks == 1 for n in tr.parts.all_params())
+    finally:
+        tr.close()
+    assert s["bytes_h2d"] == 0
+
+
+@pytest.mark.parametrize("largest,budget,chunk", [
+    (46 << 20, 4 << 30, 64 << 20),  # a 1B model's MLP weight
+    (96 << 20, "3GiB", 128 << 20),  # a 4B model's
+    (16 << 20, None, None),  # fits the default chunk
+    (3 << 20, 4 << 30, None),
+    (96 << 20, 256 << 20, None),  # more than a quarter of the RAM budget: the default
+])
+def test_layer_chunk_bytes(largest: int, budget: object, chunk: int | None) -> None:
+    from trainer import memory
+
+    assert memory.layer_chunk_bytes(largest, budget) == chunk  # type: ignore[arg-type]

@@ -493,8 +493,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="device window (on the CPU: RAM too; default: 6 layers, at least 2 largest tensors)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--chunk-mib", type=int, default=None,
-                   help="the store's chunk size (default: the store's, 16 MiB or a quarter of the RAM tier); "
-                        "on the CPU a weight in one chunk is lent to the layers instead of copied into the window")
+                   help="the store's chunk size (default: the Trainer's, which holds each layer weight in one "
+                        "chunk, so that the CPU window lends it to the layers instead of copying it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--kill-after", type=int, default=1, help="SIGKILL during the step after this commit (0: no kill run)")
@@ -628,7 +628,7 @@ def compare(ref: RunResult, killed: RunResult, resumed: RunResult, kill_after: i
 
 
 def _chunk_bytes(a: argparse.Namespace) -> int | None:
-    """``--chunk-mib`` in bytes; None: the store's default."""
+    """``--chunk-mib`` in bytes; None: the Trainer's choice."""
     return None if a.chunk_mib is None else a.chunk_mib * _MIB
 
 
@@ -651,8 +651,12 @@ def report(a: argparse.Namespace, s: Shape, ram_total: int, ram: int, vram: int,
     groups = [4 * s.vocab * s.hidden] + [layer] * s.layers + [4 * (s.vocab * s.hidden + s.hidden)]
     import tierstore.config
 
-    # the store's own rule for its chunk size (16 MiB, at most a quarter of the RAM tier) unless set
-    chunk = tierstore.config.StoreConfig(ram_budget=ram, device="cpu", chunk_bytes=_chunk_bytes(a)).chunk_bytes
+    # the chunk size the run's store got: --chunk-mib, else the Trainer's choice for this model on
+    # the CPU, else the store's own rule (16 MiB, at most a quarter of the RAM tier)
+    asked = _chunk_bytes(a)
+    if asked is None:
+        asked = memory.layer_chunk_bytes(4 * s.hidden * s.intermediate, ram)
+    chunk = tierstore.config.StoreConfig(ram_budget=ram, device="cpu", chunk_bytes=asked).chunk_bytes
     assert chunk is not None
     act = s.layers * a.seq * s.hidden * 4 + 16 * a.seq * max(s.intermediate, s.vocab) * 4
     plan = memory.rss_plan(baseline=imported, ram_budget=ram, device_budget=vram, cpu_window=True,
