@@ -9,7 +9,7 @@ from tierstore import codecs
 from tierstore.codecs.policy import choose_codec
 from tools.bench import codecs as bench_codecs
 from tools.bench import convergence as bench_convergence
-from tools.bench import convergence_runs, moment_stats
+from tools.bench import convergence_runs, moment_stats, moments
 from tools.bench.moments import tiny_model
 
 
@@ -130,6 +130,40 @@ def test_moment_stats_orders_codecs() -> None:
     assert abs(q8["ratio"] - 1) < 0.01 and q8["cos"] > 0.99 and q8["m_err"] < 0.05
     assert q2["cos"] < q8["cos"] and q2["m_err"] > 5 * q8["m_err"]
     assert q2v["m_err"] < 1e-5  # only v coded: m is exact (up to the order of operations)
+
+
+def test_moment_stats_error_feedback_shortens_the_update_and_counts_its_bits() -> None:
+    """The residual carried exactly (``+ef=raw``) stops q4's rounding noise from accumulating in m
+    (past the first steps, where m grows and each step's noise is its own): the update is closer
+    to fp32's length than without it and m's error stops growing; read with m
+    (``ef_update=sum``), m is fp32's own; and the residual's bits are counted."""
+    reqs = ["q4", "q4+ef=raw", "q4+ef=raw+ef_update=sum"]
+    stats = moment_stats.collect(reqs, steps=10, hidden=64, layers=1, batch=2, seq=32, lr=1e-3, seed=0)
+    plain, ef, ef_sum = (moment_stats.summarize(stats[c]) for c in reqs)
+    assert abs(ef["ratio"] - 1) < abs(plain["ratio"] - 1)
+    assert ef["m_err"] < plain["m_err"] and abs(ef["drift"]) < abs(plain["drift"])
+    assert ef_sum["m_err"] < 1e-5  # (the ratio is v's alone)
+    assert moments.request_bits("q4") == pytest.approx(8.5)  # 4 + 32/128 bits each for m and v
+    assert moments.request_bits("q4+ef=q2") == pytest.approx(8.5 + 2.5)  # q2: 2 + 32/64
+    assert moments.request_bits("q4+ef=raw") == pytest.approx(8.5 + 32)
+    assert moments.request_bits("q4+m=q5") == pytest.approx(9.5)
+
+
+def test_moment_codec_pair_error_feedback_grammar() -> None:
+    m, v, ef = moments.moment_codec_pair("q4+ef=q3:nearest", (256, 256), with_ef=True)
+    assert (m.name, v.name, ef[0].name, ef[0].rounding, ef[1]) == ("q4", "q4", "q3", "nearest", "m")
+    assert moments.moment_codec_pair("q4", (256, 256), with_ef=True)[2] is None
+    with pytest.raises(ValueError, match="'q7'"):
+        moments.moment_codec_pair("q4+ef=q7", (256, 256), with_ef=True)
+    with pytest.raises(ValueError, match="'zstd'"):
+        moments.moment_codec_pair("q4+ef=zstd", (256, 256), with_ef=True)
+    with pytest.raises(ValueError, match="ef_update 'both'"):
+        moments.moment_codec_pair("q4+ef=q2+ef_update=both", (256, 256), with_ef=True)
+    # callers that cannot run error feedback (convergence) refuse it rather than drop it
+    with pytest.raises(ValueError, match="error feedback"):
+        moments.moment_codec_pair("q4+ef=q2", (256, 256))
+    with pytest.raises(SystemExit):
+        moment_stats.main(["--codecs", "q4+ef=q9", "--steps", "2"])
 
 
 def test_bench_generate_runs_and_every_run_agrees_with_transformers(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,7 +15,17 @@ trajectory. Per codec and rounding, over the tensors the trainer's policy quanti
   relative L2 error of m;
 * ``isqrt``: the mean over elements of sqrt(v / v_coded) - 1, the bias of 1/sqrt(v) that the
   update divides by, and ``v gain``: mean(v_coded) / mean(v) - 1;
-* ``drift``: ``ratio`` over the last fifth of the steps minus over the first fifth.
+* ``drift``: ``ratio`` over the last fifth of the steps minus over the first fifth;
+* ``bits``: stored bits per parameter of the moments (m + v + the residual of error feedback,
+  scales counted as the codecs' ``bits``: block view), of a tensor the policy quantizes.
+
+Error feedback (``+ef=CODEC``, e.g. ``q4+ef=q2``): the shadow also keeps m's quantization
+residual e, stored with CODEC (``raw``: exact). Each step ``est = beta1 * (dec(m) + dec(e)) +
+(1 - beta1) * g``, ``m = enc(est)``, ``e = enc_e(est - dec(m))``, and the update reads the
+stored ``dec(m)`` (``+ef_update=sum``: ``dec(m) + dec(e)``, a two-stage code of m), so unlike
+the rows without it, whose update reads the step's m before it is encoded, it carries this
+step's rounding noise and not the earlier steps'; its ``1step`` columns code fp32's own m the
+same way, with no residual carried.
 """
 
 from __future__ import annotations
@@ -28,7 +38,14 @@ import torch
 from tierstore import codecs
 from tierstore.codecs import quant
 from tierstore.errors import CodecError
-from tools.bench.moments import byte_batches, lm_loss, moment_codec_pair, stdlib_bytes, tiny_model
+from tools.bench.moments import (
+    byte_batches,
+    lm_loss,
+    moment_codec_pair,
+    request_bits,
+    stdlib_bytes,
+    tiny_model,
+)
 
 STAT_KEYS = ("ratio", "cos", "ratio1", "cos1", "m_gain", "m_err", "isqrt", "v_gain")
 
@@ -41,9 +58,12 @@ def round_trip(codec: codecs.Codec, t: torch.Tensor) -> torch.Tensor:
     return codec.decode(memoryview(data.numpy()), tuple(t.shape), t.dtype)
 
 
-def moment_codecs(requested: str, shape: tuple[int, ...]) -> tuple[codecs.Codec, codecs.Codec] | None:
-    """(m codec, v codec) for ``requested`` (``tools.bench.moments.moment_codec_pair``'s grammar)."""
-    return moment_codec_pair(requested, shape)
+def moment_codecs(requested: str, shape: tuple[int, ...]
+                  ) -> tuple[codecs.Codec, codecs.Codec, tuple[codecs.Codec, str] | None] | None:
+    """(m codec, v codec, error feedback) for ``requested`` (``tools.bench.moments.
+    moment_codec_pair``'s grammar); error feedback is (residual codec, what the update reads) or
+    None."""
+    return moment_codec_pair(requested, shape, with_ef=True)
 
 
 def _update(m: torch.Tensor, v: torch.Tensor, bc1: float, bc2: float, eps: float) -> torch.Tensor:
@@ -69,6 +89,7 @@ def collect(configs: Sequence[str], steps: int, hidden: int, layers: int, batch:
     params = [p for p in model.parameters()]
     pcodecs = {c: {i: moment_codecs(c, tuple(p.shape)) for i, p in enumerate(params)} for c in configs}
     shadow: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {c: {} for c in configs}
+    ef_state: dict[str, dict[int, torch.Tensor]] = {c: {} for c in configs}
     prev: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     out: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
     for step in range(1, steps + 1):
@@ -91,15 +112,32 @@ def collect(configs: Sequence[str], steps: int, hidden: int, layers: int, batch:
             pm, pv = prev.get(i, (torch.zeros_like(m), torch.zeros_like(v)))
             count += 1
             for c in configs:
-                mc_codec, vc_codec = pcodecs[c][i]
+                mc_codec, vc_codec, ef = pcodecs[c][i]
                 sm, sv = shadow[c].get(i, (torch.zeros_like(m), torch.zeros_like(v)))
-                # the coded run: decoded state, this step's gradient, the update, then encode
-                m2 = sm * beta1 + g * (1 - beta1)
                 v2 = sv * beta2 + g * g * (1 - beta2)
-                uc = _update(m2, v2, bc1, bc2, eps)
-                # one round trip of fp32's previous state: the error of a single step
-                m1 = (round_trip(mc_codec, pm) if step > 1 else pm) * beta1 + g * (1 - beta1)
                 v1 = (round_trip(vc_codec, pv) if step > 1 else pv) * beta2 + g * g * (1 - beta2)
+                if ef is None:
+                    # the coded run: decoded state, this step's gradient, the update, then encode
+                    m2 = sm * beta1 + g * (1 - beta1)
+                    # one round trip of fp32's previous state: the error of a single step
+                    m1 = (round_trip(mc_codec, pm) if step > 1 else pm) * beta1 + g * (1 - beta1)
+                    new_m = round_trip(mc_codec, m2)
+                else:
+                    # error feedback: the residual of the last encode is added back before the
+                    # average, m is encoded and the new residual encoded; the update reads the
+                    # stored m (ef_update "m") or the stored m plus the stored residual ("sum")
+                    ef_codec, reads = ef
+                    se = ef_state[c].get(i, torch.zeros_like(m))
+                    est = (sm + se) * beta1 + g * (1 - beta1)
+                    new_m = round_trip(mc_codec, est)
+                    se = round_trip(ef_codec, est - new_m)
+                    ef_state[c][i] = se
+                    m2 = new_m + se if reads == "sum" else new_m
+                    # a single step: the same coding of fp32's own m, no residual carried
+                    m1 = round_trip(mc_codec, m)
+                    if reads == "sum":
+                        m1 = m1 + round_trip(ef_codec, m - m1)
+                uc = _update(m2, v2, bc1, bc2, eps)
                 u1 = _update(m1, v1, bc1, bc2, eps)
                 s = sums[c]
                 un = u.norm().clamp_min(1e-30)
@@ -112,7 +150,7 @@ def collect(configs: Sequence[str], steps: int, hidden: int, layers: int, batch:
                 pos = v > 0
                 s["isqrt"] += float((v[pos] / v2[pos].clamp_min(1e-38)).sqrt().mean() - 1)
                 s["v_gain"] += float(v2.mean() / v.mean().clamp_min(1e-38) - 1)
-                shadow[c][i] = (round_trip(mc_codec, m2), round_trip(vc_codec, v2))
+                shadow[c][i] = (new_m, round_trip(vc_codec, v2))
             prev[i] = (m.clone(), v.clone())
         for c in configs:
             out[c].append({k: val / max(1, count) for k, val in sums[c].items()})
@@ -136,7 +174,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=100, help="training steps")
     ap.add_argument("--codecs", default="q8,q4,q3,q2",
                     help="comma-separated codec names, each optionally with +KEY=VALUE parameters of "
-                         "m's codec or +m=NAME (tools.bench.moments.moment_codec_pair)")
+                         "m's codec, +m=NAME or +ef=NAME (error feedback on m, the residual stored "
+                         "with NAME) (tools.bench.moments.moment_codec_pair)")
     ap.add_argument("--roundings", default="policy,nearest,stochastic",
                     help="comma-separated roundings, each tried with every codec; policy: the "
                          "rounding the trainer's policy gives each moment (tierstore.codecs.policy)")
@@ -162,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                for part in args.parts.split(",") if part]
     for c in configs:
         try:
-            moment_codec_pair(c, (256, 256))  # fail fast on a bad name or parameter
+            moment_codec_pair(c, (256, 256), with_ef=True)  # fail fast on a bad name or parameter
         except (ValueError, CodecError) as e:
             ap.error(str(e))
     if args.steps < 2:
@@ -177,10 +216,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         quant.V_STOCHASTIC_TARGET = saved
     cols = ("ratio", "cos", "ratio1", "cos1", "m_gain", "m_err", "isqrt", "v_gain", "drift")
-    print(f"{'codec':>18} " + " ".join(f"{k:>7}" for k in cols))
+    width = max(18, *(len(c) for c in configs))
+    print(f"{'codec':>{width}} " + " ".join(f"{k:>7}" for k in (*cols, "bits")))
     for c in configs:
         s = summarize(stats[c])
-        print(f"{c:>18} " + " ".join(f"{s[k]:>7.4f}" for k in cols), flush=True)
+        print(f"{c:>{width}} " + " ".join(f"{s[k]:>7.4f}" for k in cols) + f" {request_bits(c):>7.2f}",
+              flush=True)
     return 0
 
 

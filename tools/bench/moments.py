@@ -9,6 +9,8 @@ import pathlib
 
 import torch
 
+from tierstore.errors import CodecError
+
 
 def stdlib_bytes(limit: int = 2_000_000) -> torch.Tensor:
     """Up to ``limit`` bytes of the stdlib's ``.py`` files beside ``os``, as a uint8 tensor."""
@@ -110,7 +112,12 @@ def _param_value(text: str) -> object:
     return {"true": True, "false": False}.get(text, text)
 
 
-def moment_codec_pair(requested: str, shape: tuple[int, ...]):  # noqa: ANN201
+#: what the update of an error-feedback shadow reads (``+ef_update=``): ``m`` the stored m alone
+#: (what a reader of the coded m gets), ``sum`` the stored m plus the stored residual
+EF_UPDATES = ("m", "sum")
+
+
+def moment_codec_pair(requested: str, shape: tuple[int, ...], *, with_ef: bool = False):  # noqa: ANN201
     """(m codec, v codec) that a coded run stores a parameter of ``shape``'s moments with, or None
     where the trainer's policy keeps them raw (small and 1-D tensors).
 
@@ -120,6 +127,14 @@ def moment_codec_pair(requested: str, shape: tuple[int, ...]):  # noqa: ANN201
     codes only that moment, the other stays raw (which one costs); each ``+KEY=VALUE`` sets a
     parameter of m's codec only (``q4+signed_map=de``), and ``+m=NAME`` stores m with codec NAME
     instead (``q4+m=q5``: one more bit for m).
+
+    ``+ef=NAME[:ROUNDING]`` asks for error feedback on m (``q4+ef=q2``; ``raw``: the residual
+    exact): a second state, m's quantization residual, stored with codec NAME as the policy codes
+    an ``exp_avg`` (or with ROUNDING) and added back before the next step's average;
+    ``+ef_update=m|sum`` says whether the update reads the stored m alone (the default) or m plus
+    the residual. Only ``tools.bench.moment_stats`` simulates it: with ``with_ef`` the result is
+    (m codec, v codec, (residual codec, ef_update) or None); without it a request with ``ef``
+    raises ValueError, so a caller that cannot run error feedback never drops it silently.
     """
     from tierstore import codecs
     from tierstore.codecs.policy import choose_codec
@@ -129,16 +144,44 @@ def moment_codec_pair(requested: str, shape: tuple[int, ...]):  # noqa: ANN201
     m_round, _, v_round = rounding.partition("/")
     m_params: dict[str, object] = {}
     m_name = name
+    ef_name = ef_update = None
     for item in extras:
         key, sep, value = item.partition("=")
         if not (sep and key and value):
             raise ValueError(f"{item!r} in codec request {requested!r} is not KEY=VALUE")
         if key == "m":
             m_name = value
+        elif key == "ef":
+            ef_name = value
+        elif key == "ef_update":
+            if value not in EF_UPDATES:
+                raise ValueError(f"ef_update {value!r} in codec request {requested!r} is not one "
+                                 f"of {EF_UPDATES}")
+            ef_update = value
         else:
             m_params[key] = _param_value(value)
     if part not in ("", "m", "v"):
         raise ValueError(f"part {part!r} of codec request {requested!r} is not m or v")
+    if ef_update is not None and ef_name is None:
+        raise ValueError(f"codec request {requested!r} sets ef_update without ef=CODEC")
+    if ef_name is not None and not with_ef:
+        raise ValueError(f"codec request {requested!r} asks for error feedback (ef={ef_name}), "
+                         "which only tools.bench.moment_stats simulates")
+    ef = None
+    if ef_name is not None:
+        if part == "v":
+            raise ValueError(f"codec request {requested!r}: error feedback needs m coded, not part v")
+        ef_codec_name, _, ef_round = ef_name.partition(":")
+        try:
+            ef_codec = choose_codec(ef_codec_name, shape, "exp_avg")
+            if ef_round and not ef_codec.lossless:
+                ef_codec = codecs.get(ef_codec_name, **{**ef_codec.params(), "rounding": ef_round})
+        except (ValueError, TypeError, CodecError) as e:
+            raise ValueError(f"ef codec {ef_name!r} in codec request {requested!r}: {e}") from e
+        if ef_codec.lossless and ef_codec.name != "raw":
+            raise ValueError(f"ef codec {ef_name!r} in codec request {requested!r} is lossless "
+                             "but not raw: its size depends on the data; use raw or a q-codec")
+        ef = (ef_codec, ef_update or "m")
     pair = []
     for role, n, r in (("exp_avg", m_name, m_round), ("exp_avg_sq", name, v_round or m_round)):
         codec = choose_codec(n, shape, role)
@@ -152,4 +195,25 @@ def moment_codec_pair(requested: str, shape: tuple[int, ...]):  # noqa: ANN201
         if part and part != ("m" if role == "exp_avg" else "v"):
             codec = codecs.get("raw")
         pair.append(codec)
-    return pair[0], pair[1]
+    return (pair[0], pair[1], ef) if with_ef else (pair[0], pair[1])
+
+
+def codec_bits(codec) -> float:  # noqa: ANN001
+    """Stored bits per float32 element of ``codec`` (its ``bits``, scales counted in the block
+    view; 32 for a codec that stores the float32 as it is)."""
+    bits = codec.bits
+    if bits is None:
+        if not codec.raw_layout:
+            raise ValueError(f"codec {codec.name!r} has no fixed size per element")
+        return 32.0
+    return float(bits)
+
+
+def request_bits(requested: str, shape: tuple[int, ...] = (256, 256)) -> float:
+    """Bits per parameter of the moments a request stores a ``shape`` tensor's moments with:
+    m's codes plus v's plus, with ``+ef=``, the residual's (scales included)."""
+    codecs_ = moment_codec_pair(requested, shape, with_ef=True)
+    if codecs_ is None:
+        return 64.0
+    m, v, ef = codecs_
+    return codec_bits(m) + codec_bits(v) + (codec_bits(ef[0]) if ef else 0.0)
