@@ -100,7 +100,9 @@ class TrainLoop:
         self.groups = [names for _, names in tr.parts.groups()]
         compression = session.current().optimizer_compression
         if dp is None:
-            self.opt = StoreAdamW(store, self.groups, no_decay_names(tr.model), compression, tr._lock)
+            # without clipping each group is updated as soon as backward hands over its gradients
+            self.opt = StoreAdamW(store, self.groups, no_decay_names(tr.model), compression, tr._lock,
+                                  backward_order=cfg.clip_norm is None)
         else:  # each rank updates its rows of every parameter and all-gathers the rest
             self.opt = distributed.ShardedAdamW(dp, store, self.groups, no_decay_names(tr.model), compression,
                                                 tr._lock)

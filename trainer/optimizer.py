@@ -160,7 +160,9 @@ class StoreAdamW:
     """AdamW whose every state tensor lives in a tierstore Store; one group updated at a time."""
 
     def __init__(self, store: Any, groups: list[list[str]], no_decay: set[str], compression: bool | str | None,
-                 lock: contextlib.AbstractContextManager[Any]) -> None:
+                 lock: contextlib.AbstractContextManager[Any], backward_order: bool = False) -> None:
+        """``backward_order``: the groups are updated last first, as backward hands over their
+        gradients (no clipping); else in the order given (after backward, with clipping)."""
         self.store = store
         self.groups = groups
         self.no_decay = no_decay
@@ -175,10 +177,12 @@ class StoreAdamW:
         self._has_moments: set[str] = set()
         # the order of updates is known: the store evicts and writes back what comes last and
         # reads ahead what comes next (state larger than the RAM budget moves the fewest bytes);
-        # the weights are read three times a step (forward, backward, update): kept first
+        # the weights are read three times a step (forward, backward, update): kept first.
+        # The plan runs in the order of the updates: the reverse order would rank the group
+        # updated next as needed last, and read ahead the one just updated
         plan = getattr(store, "plan", None)
         if plan is not None:
-            weights = [n for names in groups for n in names]
+            weights = [n for names in (groups[::-1] if backward_order else groups) for n in names]
             plan([k for n in weights for k in (n, EXP_AVG + n, EXP_AVG_SQ + n)], hot=weights)
         self.busy_s = 0.0
         """Seconds of whole group updates: store reads and writes plus the arithmetic."""

@@ -165,3 +165,50 @@ def test_get_many_equals_gets_and_starts_its_prefetch(tmp_path) -> None:
         assert torch.equal(s.get_many(["k4"], device="cpu")[0], ts["k4"])
         assert s.stats()["hits_device"] == before + 1  # the hint had put k4 in the window
         assert s.get_many([]) == []
+
+
+def _tier_with(budget_chunks: int, chunk: int, kinds: list[str]) -> object:
+    """A RAM tier holding one chunk of each kind: "dirty", "clean" or "fresh" (read, unused)."""
+    from tierstore.tiers.host import HostTier
+
+    tier = HostTier(budget=budget_chunks * chunk)
+    for i, kind in enumerate(kinds):
+        buf = tier.try_alloc(chunk)
+        assert buf is not None
+        tier.insert((i, 0), buf, dirty=kind == "dirty", fresh=kind == "fresh")
+    return tier
+
+
+def test_a_read_not_yet_used_is_evicted_last_and_not_while_a_write_back_can_make_room() -> None:
+    chunk = 4096
+    tier = _tier_with(4, chunk, ["fresh", "clean", "dirty", "dirty"])
+    assert tier.try_alloc(chunk) is not None  # the used clean chunk goes, not the older fresh one
+    assert tier.holds((0, 0)) and not tier.holds((1, 0))
+    assert tier.try_alloc(chunk) is None  # only the fresh chunk is clean: the dirty ones are written first
+    tier.mark_clean((2, 0))
+    assert tier.try_alloc(chunk) is not None and not tier.holds((2, 0)) and tier.holds((0, 0))
+    tier.mark_clean((3, 0))
+    assert tier.lookup((0, 0)) is not None  # used: an ordinary clean chunk now, the most recently used
+    assert tier.try_alloc(chunk) is not None and not tier.holds((3, 0)) and tier.holds((0, 0))
+    assert tier.try_alloc(chunk) is not None and not tier.holds((0, 0))
+
+
+def test_fresh_chunks_go_when_no_write_back_can_make_room() -> None:
+    chunk = 4096
+    # no dirty chunk: the fresh one is evicted rather than refusing the room
+    tier = _tier_with(2, chunk, ["fresh", "fresh"])
+    assert tier.try_alloc(chunk) is not None and not tier.holds((0, 0))
+    # fresh chunks over half the budget: the oldest goes even with a dirty chunk to write
+    tier = _tier_with(4, chunk, ["fresh", "fresh", "fresh", "dirty"])
+    assert tier.try_alloc(chunk) is not None and not tier.holds((0, 0))
+
+
+def test_a_waiter_that_no_write_back_can_serve_takes_a_fresh_chunks_room() -> None:
+    import asyncio
+
+    chunk = 4096
+    tier = _tier_with(2, chunk, ["fresh", "dirty"])
+    tier.explain_stuck = lambda: "the dirty chunk cannot be written"  # e.g. its write failed
+    buf = asyncio.run(tier.alloc(chunk))
+    assert buf.numel() == chunk and not tier.holds((0, 0)) and tier.holds((1, 0))
+    assert tier.keep_fresh
