@@ -174,32 +174,39 @@ def test_init_keep_last_bounds_the_commits_without_save_total_limit(tmp_path: ob
         tr.close()
 
 
-@pytest.mark.parametrize("chunk,lent_all", [("1KiB", False), (None, True)])
-def test_init_chunk_bytes_sets_the_stores_chunks_and_what_a_cpu_window_can_lend(
-        tmp_path: object, chunk: str | None, lent_all: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # On the CPU a weight in one chunk is lent to the layers; one of several is copied into the window.
+def _train_tiny_on_cpu(tmp_path: object, **init: object) -> tuple[int, dict, list[int]]:
+    """Two steps of a one-layer Llama (8 KiB matrices, 128 B norms) through ``mt.init(**init)`` on the
+    CPU: the store's chunk size, its stats and every weight's chunk count."""
     import torch
     from transformers import LlamaConfig
 
     import trainer as mt
-    from trainer import session
-
-    monkeypatch.setattr(session, "_session", session.current())  # init's settings end with the test
 
     mt.init(offload_dir=f"{tmp_path}/store", max_vram_gb="2MiB", max_ram_gb="4MiB",
-            optimizer_compression="raw", device="cpu", chunk_bytes=chunk)
+            optimizer_compression="raw", device="cpu", **init)  # type: ignore[arg-type]
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2)  # 8 KiB matrices, 128 B norms
+                      num_attention_heads=2, num_key_value_heads=2)
     data = [{"input_ids": torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))} for i in range(4)]
     args = mt.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, save_steps=0,
                                 logging_steps=1, disable_tqdm=True, report_to=[])
     tr = mt.Trainer(model=mt.load_model(cfg), args=args, train_dataset=data)
     try:
         tr.train()
-        s = tr.store.stats()
-        assert tr.store.config.chunk_bytes == (1024 if chunk else 1 << 20)
+        return (tr.store.config.chunk_bytes, tr.store.stats(),
+                [tr.store.info(n).chunks for n in tr.parts.all_params()])
     finally:
         tr.close()
+
+
+@pytest.mark.parametrize("chunk,lent_all", [("1KiB", False), (None, True)])
+def test_init_chunk_bytes_sets_the_stores_chunks_and_what_a_cpu_window_can_lend(
+        tmp_path: object, chunk: str | None, lent_all: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the CPU a weight in one chunk is lent to the layers; one of several is copied into the window.
+    from trainer import session
+
+    monkeypatch.setattr(session, "_session", session.current())  # init's settings end with the test
+    chunk_bytes, s, _ = _train_tiny_on_cpu(tmp_path, chunk_bytes=chunk)
+    assert chunk_bytes == (1024 if chunk else 1 << 20)
     assert s["lent"] > 0  # the norms are one chunk either way
     assert (s["bytes_h2d"] == 0) == lent_all
 
@@ -208,30 +215,14 @@ def test_the_trainer_stores_each_layer_weight_in_one_chunk_on_the_cpu(
         tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
     # With the store's default chunk below a layer weight (1 KiB against 8 KiB matrices), the
     # Trainer opens its store with chunks that hold one, so the CPU window lends every weight.
-    import torch
-    from transformers import LlamaConfig
-
     import tierstore.config
-    import trainer as mt
     from trainer import session
 
     monkeypatch.setattr(session, "_session", session.current())
     monkeypatch.setattr(tierstore.config, "DEFAULT_CHUNK_BYTES", 1024)
-    mt.init(offload_dir=f"{tmp_path}/store", max_vram_gb="2MiB", max_ram_gb="4MiB",
-            optimizer_compression="raw", device="cpu")
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2)  # 8 KiB MLP matrices
-    data = [{"input_ids": torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))} for i in range(4)]
-    args = mt.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, save_steps=0,
-                                logging_steps=1, disable_tqdm=True, report_to=[])
-    tr = mt.Trainer(model=mt.load_model(cfg), args=args, train_dataset=data)
-    try:
-        tr.train()
-        s = tr.store.stats()
-        assert tr.store.config.chunk_bytes == 8192
-        assert all(tr.store.info(n).chunks == 1 for n in tr.parts.all_params())
-    finally:
-        tr.close()
+    chunk_bytes, s, chunks = _train_tiny_on_cpu(tmp_path)
+    assert chunk_bytes == 8192
+    assert chunks and all(n == 1 for n in chunks)
     assert s["bytes_h2d"] == 0
 
 
