@@ -107,7 +107,7 @@ def test_each_optimizer_step_closes_a_step_of_the_stores_access_trace(dataset: A
 
 @pytest.mark.parametrize("clip,first", [(None, "model.norm.weight"), (1.0, "model.embed_tokens.weight")])
 def test_the_store_plan_follows_the_order_of_the_updates(dataset: Any, tmp_path: Any, clip: float | None,
-                                                         first: str) -> None:
+                                                         first: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Without clipping each group is updated as backward hands over its gradients, head first;
     # with clipping after backward, in forward order. A plan the other way round would rank the
     # group updated next as needed last (and read ahead the one just updated).
@@ -120,21 +120,17 @@ def test_the_store_plan_follows_the_order_of_the_updates(dataset: Any, tmp_path:
         seen.append(list(keys))
         return real(self, keys, hot=hot)
 
-    monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(Store, "plan", spy)
+    model = build(llama_config())
+    mt.init(offload_dir=None, max_vram_gb=f"{weight_bytes(model)}B", device="cpu")
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1,
+                             save_steps=0, logging_steps=1, report_to=[], disable_tqdm=True,
+                             max_grad_norm=clip)
+    tr = mt.Trainer(model=model, args=args, train_dataset=dataset)
     try:
-        model = build(llama_config())
-        mt.init(offload_dir=None, max_vram_gb=f"{weight_bytes(model)}B", device="cpu")
-        args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=1,
-                                 save_steps=0, logging_steps=1, report_to=[], disable_tqdm=True,
-                                 max_grad_norm=clip)
-        tr = mt.Trainer(model=model, args=args, train_dataset=dataset)
-        try:
-            tr.train()
-        finally:
-            tr.close()
+        tr.train()
     finally:
-        monkeypatch.undo()
+        tr.close()
     assert seen, "the optimizer gave the store no plan"
     assert seen[-1][0] == first, seen[-1][:3]
     assert seen[-1][1] == EXP_AVG + seen[-1][0] and seen[-1][2] == EXP_AVG_SQ + seen[-1][0]
