@@ -148,7 +148,7 @@ class ReadPath:
             self.stats_counters.hits_host += 1
         elif self._host.fits(rec.chunks[0][0]):
             for _attempt in range(3):
-                await self._load_chunk(rec, 0, cache="yes")  # cached unless the RAM tier cannot
+                await self._load_chunk(rec, 0, cache="yes", use=False)  # cached unless the RAM tier cannot
                 if self._host.holds(cid):
                     break
                 # read, then evicted before this task ran again (a budget full of dirty and
@@ -379,8 +379,11 @@ class ReadPath:
         self.stats_counters.bytes_read_disk += n + 4
         self.tracer.span("read", "disk", t0, time.perf_counter(), bytes=n)
 
-    async def _load_chunk(self, rec: GenRecord, i: int, cache: str) -> torch.Tensor:
-        """A chunk's payload from RAM or disk; ``cache`` is "yes", "try" (no waiting) or "no"."""
+    async def _load_chunk(self, rec: GenRecord, i: int, cache: str, use: bool = True) -> torch.Tensor:
+        """A chunk's payload from RAM or disk; ``cache`` is "yes", "try" (no waiting) or "no".
+
+        ``use``: the caller uses the payload now (a read ahead does not: its chunk stays
+        ``fresh`` in the RAM tier until a reader takes it)."""
         cid = (rec.generation, i)
         payload = self._host.lookup(cid)
         if payload is not None:
@@ -392,7 +395,10 @@ class ReadPath:
             self._reads[cid] = task
             self._pins.pin(rec.generation)
             task.add_done_callback(lambda t: self._read_done(cid, t))
-        return await asyncio.shield(task)
+        payload = await asyncio.shield(task)
+        if use:
+            self._host.mark_used(cid)
+        return payload
 
     def _read_done(self, cid: tuple[int, int], task: asyncio.Task[torch.Tensor]) -> None:
         self._reads.pop(cid, None)
@@ -421,7 +427,7 @@ class ReadPath:
         buf: torch.Tensor | None = None
         if cache == "yes":
             try:
-                buf = await self._host.alloc(n)
+                buf = await self._host.alloc(n, optional=True)
             except BudgetError:
                 buf = None  # RAM full of chunks that cannot be written (ENOSPC): read uncached
         elif cache == "try":
@@ -450,7 +456,7 @@ class ReadPath:
         self.stats_counters.bytes_read_disk += n + 4
         self.tracer.span("read", "disk", t0, time.perf_counter(), bytes=n)
         if reserved:
-            self._host.insert(cid, buf, dirty=False)
+            self._host.insert(cid, buf, dirty=False, fresh=True)
         return buf
 
     # ---------------------------------------------------------------- prefetch
@@ -514,7 +520,7 @@ class ReadPath:
                         return
                     self._host.recycle(room)  # the read below takes it as a spare
                     del room  # a spare still referenced is not reused
-                await self._load_chunk(rec, i, cache="try")
+                await self._load_chunk(rec, i, cache="try", use=False)
                 self.stats_counters.prefetched_chunks += 1
         except StoreError:
             self.stats_counters.prefetch_errors += 1  # a hint failed; the real read reports it

@@ -166,3 +166,106 @@ def test_get_many_equals_gets_and_starts_its_prefetch(tmp_path) -> None:
         assert s.stats()["hits_device"] == before + 1  # the hint had put k4 in the window
         assert s.get_many([]) == []
 
+
+def _tier_with(budget_chunks: int, chunk: int, kinds: list[str]) -> object:
+    """A RAM tier holding one chunk of each kind: "dirty", "clean" or "fresh" (read, unused)."""
+    from tierstore.tiers.host import HostTier
+
+    tier = HostTier(budget=budget_chunks * chunk)
+    for i, kind in enumerate(kinds):
+        buf = tier.try_alloc(chunk)
+        assert buf is not None
+        tier.insert((i, 0), buf, dirty=kind == "dirty", fresh=kind == "fresh")
+    return tier
+
+
+def test_a_read_not_yet_used_is_evicted_last_and_not_while_a_write_back_can_make_room() -> None:
+    chunk = 4096
+    tier = _tier_with(4, chunk, ["fresh", "clean", "dirty", "dirty"])
+    assert tier.try_alloc(chunk) is not None  # the used clean chunk goes, not the older fresh one
+    assert tier.holds((0, 0)) and not tier.holds((1, 0))
+    assert tier.try_alloc(chunk) is None  # only the fresh chunk is clean: the dirty ones are written first
+    tier.mark_clean((2, 0))
+    assert tier.try_alloc(chunk) is not None and not tier.holds((2, 0)) and tier.holds((0, 0))
+    tier.mark_clean((3, 0))
+    assert tier.lookup((0, 0)) is not None  # used: an ordinary clean chunk now, the most recently used
+    assert tier.try_alloc(chunk) is not None and not tier.holds((3, 0)) and tier.holds((0, 0))
+    assert tier.try_alloc(chunk) is not None and not tier.holds((0, 0))
+
+
+def test_fresh_chunks_go_when_no_write_back_can_make_room() -> None:
+    chunk = 4096
+    # no dirty chunk: the fresh one is evicted rather than refusing the room
+    tier = _tier_with(2, chunk, ["fresh", "fresh"])
+    assert tier.try_alloc(chunk) is not None and not tier.holds((0, 0))
+    # fresh chunks over half the budget: the oldest goes even with a dirty chunk to write
+    tier = _tier_with(4, chunk, ["fresh", "fresh", "fresh", "dirty"])
+    assert tier.try_alloc(chunk) is not None and not tier.holds((0, 0))
+
+
+def test_a_waiter_that_no_write_back_can_serve_takes_a_fresh_chunks_room() -> None:
+    import asyncio
+
+    chunk = 4096
+    tier = _tier_with(2, chunk, ["fresh", "dirty"])
+    tier.explain_stuck = lambda: "the dirty chunk cannot be written"  # e.g. its write failed
+    buf = asyncio.run(tier.alloc(chunk))
+    assert buf.numel() == chunk and not tier.holds((0, 0)) and tier.holds((1, 0))
+    assert tier.keep_fresh
+
+
+def test_when_nothing_can_be_freed_an_optional_waiter_gives_up_first() -> None:
+    """A read that can go uncached gives up; the put beside it waits and gets the room the
+    reader's update frees (an update holding its loans while its reads wait for room)."""
+    import asyncio
+
+    from tierstore.errors import BudgetError
+
+    chunk = 4096
+    tier = _tier_with(2, chunk, ["clean", "clean"])
+    for i in range(2):
+        tier.take_for_update((i, 0), (10 + i, 0))  # lent writable: neither written nor evicted
+    stuck: list[str] = []  # nothing yet: a write in flight may free room
+    tier.explain_stuck = lambda: stuck[0] if stuck else None
+    events: list[str] = []
+
+    async def main() -> None:
+        async def put() -> None:
+            await tier.alloc(chunk)
+            events.append("put got room")
+
+        async def read() -> None:
+            try:
+                await tier.alloc(chunk, optional=True)
+            except BudgetError:
+                events.append("read gave up")
+                tier.end_update((10, 0))  # read uncached, the update ends: its chunk can be written
+                tier.mark_clean((10, 0))
+
+        read_task = asyncio.ensure_future(read())
+        await asyncio.sleep(0)  # the read waits for room first
+        stuck.append("2 chunks wait to be written")  # the write ended and freed nothing
+        await asyncio.wait_for(asyncio.gather(put(), read_task), timeout=5)
+
+    asyncio.run(main())
+    assert events == ["read gave up", "put got room"]
+    assert not tier.holds((10, 0)) and tier.holds((11, 0))
+    # without an optional waiter the same wait is refused at once, naming why
+    tier2 = _tier_with(1, chunk, ["clean"])
+    tier2.take_for_update((0, 0), (1, 0))
+    tier2.explain_stuck = lambda: "1 chunk waits to be written"
+    try:
+        asyncio.run(tier2.alloc(chunk))
+    except BudgetError as e:
+        assert "1 chunk waits to be written" in str(e)
+    else:
+        raise AssertionError("expected BudgetError")
+
+
+def test_a_fresh_chunk_lent_to_an_update_is_no_longer_fresh() -> None:
+    chunk = 4096
+    tier = _tier_with(2, chunk, ["fresh", "dirty"])
+    tier.take_for_update((0, 0), (5, 0))
+    tier.end_update((5, 0))
+    tier.mark_clean((5, 0))  # written: an ordinary clean chunk, evicted before a write-back
+    assert tier.try_alloc(chunk) is not None and not tier.holds((5, 0)) and tier.holds((1, 0))

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
@@ -58,6 +59,9 @@ class HostEntry:
     root: np.ndarray | None = None
     #: lent writable to an in-place update: not evicted, not written, until ``end_update``
     updating: bool = False
+    #: landed from the disk and not used since (a read ahead, or a read whose reader has yet
+    #: to take it): evicted only after the other clean chunks (``_evict_one``)
+    fresh: bool = False
 
     def borrowed(self) -> bool:
         """Whether a tensor lent from this buffer is still alive somewhere (any thread)."""
@@ -105,11 +109,15 @@ class HostTier:
         #: whose chunk is the one a plan needs last, not the read just landed (needed next)
         self.wake_on_landing = False
         self._freed = asyncio.Event()
+        #: waiters for room that give up first when nothing can be freed (``alloc(optional=)``)
+        self._optional_waiters = 0
         #: called when a reservation cannot wait any longer; returns a reason or None to wait
         self.explain_stuck: Callable[[], str | None] = lambda: None
         #: how late a chunk is needed again (an access plan); the highest goes first, when set:
         #: evicted first, written back first. None: least recently used first
         self.rank: Callable[[ChunkId], float] | None = None
+        #: False while a waiter for room that nothing else can free evicts ``fresh`` chunks too
+        self.keep_fresh = True
 
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
         self.fresh_buffers += 1
@@ -151,17 +159,31 @@ class HostTier:
         self.peak = max(self.peak, self.used)
         return True
 
-    async def alloc(self, nbytes: int) -> torch.Tensor:
-        """A buffer of ``nbytes``, waiting for write-backs to free room (backpressure)."""
-        return await self._wait_for(nbytes, self.try_alloc)
+    async def alloc(self, nbytes: int, optional: bool = False) -> torch.Tensor:
+        """A buffer of ``nbytes``, waiting for write-backs to free room (backpressure).
+
+        ``optional``: the caller can do without (a read that goes uncached on ``BudgetError``);
+        when nothing can be freed it gives up first, so that the others wait for it to go on.
+        """
+        return await self._wait_for(nbytes, self.try_alloc, optional)
 
     async def reserve(self, nbytes: int) -> None:
         """``try_reserve``, waiting for write-backs to free room (backpressure)."""
         await self._wait_for(nbytes, lambda n: True if self.try_reserve(n) else None)
 
-    async def _wait_for(self, nbytes: int, attempt: Callable[[int], Any]) -> Any:
+    async def _wait_for(self, nbytes: int, attempt: Callable[[int], Any],
+                        optional: bool = False) -> Any:
         if not self.fits(nbytes):
             raise BudgetError(f"a chunk of {nbytes} B is larger than the RAM budget ({self.budget} B)")
+        if optional:
+            self._optional_waiters += 1
+        try:
+            return await self._wait_loop(nbytes, attempt, optional)
+        finally:
+            if optional:
+                self._optional_waiters -= 1
+
+    async def _wait_loop(self, nbytes: int, attempt: Callable[[int], Any], optional: bool) -> Any:
         while (got := attempt(nbytes)) is None:
             lent = self.lent_bytes() if self.budget is not None else 0
             if lent and self.budget is not None and self.budget - lent < nbytes:
@@ -172,7 +194,20 @@ class HostTier:
                     "drop the lent tensors you no longer need")
             reason = self.explain_stuck()
             if reason is not None:
-                raise BudgetError(f"RAM budget full and nothing can be freed: {reason}")
+                # a write-back that cannot run frees nothing: the reads not yet used go first
+                self.keep_fresh = False
+                try:
+                    got = attempt(nbytes)
+                finally:
+                    self.keep_fresh = True
+                if got is not None:
+                    return got
+                if optional or not self._optional_waiters:
+                    raise BudgetError(f"RAM budget full and nothing can be freed: {reason}")
+                # an optional waiter may be what holds the room up (the reads of an update
+                # that holds its loans): wake it to give up and go on uncached, then wait
+                self._freed.set()
+                await asyncio.sleep(0)
             self._freed.clear()
             try:
                 await asyncio.wait_for(self._freed.wait(), timeout=1.0)
@@ -204,6 +239,7 @@ class HostTier:
         e.root = None  # a later loan gets a root of its own
         e.dirty = True
         e.updating = True
+        e.fresh = False
         self._entries[new] = e
         return e.data
 
@@ -277,15 +313,17 @@ class HostTier:
                     return True
         return False
 
-    def insert(self, cid: ChunkId, data: torch.Tensor, dirty: bool, adopted: bool = False) -> None:
-        """Insert a chunk whose buffer came from ``alloc``/``try_alloc`` (``adopted``: ``reserve``)."""
+    def insert(self, cid: ChunkId, data: torch.Tensor, dirty: bool, adopted: bool = False,
+               fresh: bool = False) -> None:
+        """Insert a chunk whose buffer came from ``alloc``/``try_alloc`` (``adopted``: ``reserve``;
+        ``fresh``: read from the disk for a use still to come)."""
         old = self._entries.pop(cid, None)
         if old is not None:
             if old.borrowed():
                 self._held.append(old)  # still read by a borrower: counted until it lets go
             else:
                 self.used -= old.data.numel()
-        self._entries[cid] = HostEntry(data, dirty, adopted)
+        self._entries[cid] = HostEntry(data, dirty, adopted, fresh=fresh and not dirty)
         if not dirty and self.wake_on_landing:
             self.wake_on_landing = False
             self._freed.set()  # a clean chunk can be evicted: waiters for room try again
@@ -302,7 +340,14 @@ class HostTier:
         if e is None:
             return None
         self._entries.move_to_end(cid)
+        e.fresh = False
         return e.data
+
+    def mark_used(self, cid: ChunkId) -> None:
+        """A chunk read for a caller reached it: no longer ``fresh``."""
+        e = self._entries.get(cid)
+        if e is not None:
+            e.fresh = False
 
     def lend(self, cid: ChunkId) -> torch.Tensor | None:
         """The chunk's whole buffer as a new uint8 tensor to lend out (read-only by contract); None if not held.
@@ -315,6 +360,7 @@ class HostTier:
         if e is None:
             return None
         self._entries.move_to_end(cid)
+        e.fresh = False
         if e.root is None:
             e.root = e.data.numpy()
         return torch.from_numpy(e.root)
@@ -420,17 +466,44 @@ class HostTier:
         recently used; only one ranked over ``above``. False if there is none.
 
         A lent chunk is passed over: evicting it would free nothing while its borrower reads it.
+        A ``fresh`` chunk (read, not yet used) goes only after every other clean one, and not
+        at all while the write-back of a dirty chunk needed no sooner can make room instead
+        and fresh chunks hold at most half the budget: evicting a read before its use costs
+        the same read again.
         """
         rank = self.rank
         victim, best = None, above
+        fresh_victim, fresh_best = None, above
+        fresh_bytes, writable_dirty, dirty_last = 0, False, -math.inf
         for cid, e in self._entries.items():
-            if not e.dirty and not e.updating and not e.borrowed():
-                if rank is None:
+            if e.dirty:
+                if not e.updating:
+                    writable_dirty = True
+                    if rank is not None:
+                        dirty_last = max(dirty_last, rank(cid))
+                continue
+            if e.fresh:
+                fresh_bytes += e.data.numel()
+            if e.updating or e.borrowed():
+                continue
+            if rank is None:  # least recently used first
+                if not e.fresh:
                     victim = cid
                     break
-                r = rank(cid)
-                if r > best:
-                    victim, best = cid, r
+                if fresh_victim is None:
+                    fresh_victim = cid
+                continue
+            r = rank(cid)
+            if e.fresh:
+                if r > fresh_best:
+                    fresh_victim, fresh_best = cid, r
+            elif r > best:
+                victim, best = cid, r
+        if victim is None and fresh_victim is not None:
+            # a write-back makes room instead where a dirty chunk is needed no sooner
+            waits = (self.keep_fresh and writable_dirty and (rank is None or dirty_last >= fresh_best)
+                     and (self.budget is None or 2 * fresh_bytes <= self.budget))
+            victim = None if waits else fresh_victim
         if victim is None:
             return False
         self._to_spare(self._entries.pop(victim))
