@@ -14,6 +14,16 @@ from tierstore.stats import DEFAULT_TRACE_EVENTS
 #: the chunk size of a store opened without ``chunk_bytes`` (and a RAM budget of at least 4x it)
 DEFAULT_CHUNK_BYTES = 16 * 2**20
 
+#: idle update scratch kept for reuse (``tierstore.scratch``): this fraction of the RAM budget,
+#: beside it, or ``SCRATCH_KEEP_UNBUDGETED`` bytes without a budget
+SCRATCH_KEEP_DIVISOR = 8
+SCRATCH_KEEP_UNBUDGETED = 256 * 2**20
+
+
+def scratch_keep_bytes(ram_budget: int | None) -> int:
+    """Bytes of idle update scratch a store keeps for reuse, apart from its RAM budget."""
+    return SCRATCH_KEEP_UNBUDGETED if ram_budget is None else ram_budget // SCRATCH_KEEP_DIVISOR
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}

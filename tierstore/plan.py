@@ -11,6 +11,10 @@ Keys the workload reads more often than once a cycle (a model's weights: read by
 pass, by the backward pass and by the update) are declared ``hot``: they are kept ahead of the
 rest, which cycles through the room they leave. A training step whose RAM holds its weights and
 its gradients then reads only the moments that do not fit, the fewest bytes its budget allows.
+Among themselves hot keys go in plan order too: the one updated last goes first, and a weight
+whose backward pass is done and whose update is next stays (ranked alike, the least recently
+used went first: the weights waiting for their update, read by backward before the ones it had
+just updated).
 
 The plan is a ``dict`` from key to position and a cursor (the position of the last plan key
 read or updated); the distance of a key is how many plan steps until it is needed again. Owned
@@ -25,9 +29,10 @@ from collections.abc import Iterator, Sequence
 from tierstore.errors import StoreError
 from tierstore.keys import validate_key
 
-#: eviction rank of a hot key: below every plan key's distance (0 for the key in use), so hot
-#: keys go only once nothing else can
-HOT_RANK = -0.5
+#: eviction ranks of hot keys lie in (HOT_RANK, 0): below every plan key's distance (0 for the
+#: key in use), so hot keys go only once nothing else can; an eviction ``above=HOT_RANK`` may
+#: take any of them
+HOT_RANK = -1.0
 
 
 class AccessPlan:
@@ -68,10 +73,10 @@ class AccessPlan:
         return (i - self.cursor) % len(self.keys)
 
     def rank(self, key: str | None) -> float:
-        """Eviction rank of a chunk of ``key`` (the highest goes first): below every other key
-        for a hot key, else its distance."""
+        """Eviction rank of a chunk of ``key`` (the highest goes first): its distance, or for a
+        hot key, below every other key and in the order of the distances among hot keys."""
         if key in self.hot:
-            return HOT_RANK
+            return HOT_RANK + (self.distance(key) + 1.0) / (len(self.keys) + 2.0)
         return self.distance(key)
 
     def next_key(self) -> str:

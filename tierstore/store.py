@@ -43,7 +43,7 @@ import torch
 from tierstore import updates
 from tierstore.catalog import Catalog
 from tierstore.codecs import Codec, resolve
-from tierstore.config import StoreConfig
+from tierstore.config import StoreConfig, scratch_keep_bytes
 from tierstore.dtypes import dtype_name
 from tierstore.errors import (
     CorruptData,
@@ -72,6 +72,7 @@ from tierstore.retirement import (
     retire_soon,
     take_spare_folders,
 )
+from tierstore.scratch import ScratchPool
 from tierstore.settle import finish_despite_cancel, settle
 from tierstore.shards import ShardMap, plan_sharded
 from tierstore.stats import Counters, Tracer
@@ -113,6 +114,8 @@ class AsyncStore(ReadPath):
         pin = torch.cuda.is_available() and config.device is not None and config.device.type == "cuda"
         self._host = HostTier(config.ram_budget, pin=pin)
         self._host.explain_stuck = self._explain_stuck
+        #: decode buffers of updates through a scratch, apart from the RAM tier (``tierstore.scratch``)
+        self._scratch = ScratchPool(scratch_keep_bytes(config.ram_budget))
         #: keys lent for update (or being put): who may touch them waits (``tierstore.updates``)
         self._borrows = BorrowTable()
         #: crc32c of chunks changed in place, computed when they are written (``CRC_PENDING``)
@@ -614,6 +617,8 @@ class AsyncStore(ReadPath):
             "updates_reused": c.updates_reused, "bytes_copied_on_write": c.bytes_copied_on_write, "folders_recycled": c.folders_recycled,
             "mapped_gathers": self._mapped.served, "mapped_declined": self._mapped.declined,
             "predictor_dropped_reads": self._predictor.dropped, "trace_dropped_events": self.tracer.dropped,
+            "scratch_bytes": self._scratch.in_use, "scratch_kept_bytes": self._scratch.kept_bytes,
+            "peak_scratch_bytes": self._scratch.peak, "scratch_fresh_buffers": self._scratch.fresh,
         }
 
     async def verify(self, keys: Sequence[str] | None = None) -> list[CorruptData]:

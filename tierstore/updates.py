@@ -9,8 +9,10 @@ leaves in it the key's new head generation. Two ways, one contract:
   flight) is copied first (copy-on-write), so nobody sees bytes change under them. The old
   generation stays readable wherever else it lives (disk, when a commit named it).
 - *through scratch* (coded or sharded tensors, or larger than the RAM budget): the value is
-  decoded into a scratch buffer counted in the RAM budget; the release encodes it as the new
-  generation, whose chunks stay dirty in RAM like the in-place ones.
+  decoded into a scratch buffer of the store's ``ScratchPool``, apart from the RAM budget (taken
+  from it, the buffer pushed out chunks that were read again: ``tierstore.scratch``); the
+  release encodes it as the new generation, whose chunks stay dirty in RAM like the in-place
+  ones.
 
 While a key is lent (between ``begin`` and ``end`` of its ``BorrowTable`` entry) every other get,
 put, delete or update of that key waits for the release, and a commit waits for in-place loans
@@ -169,8 +171,10 @@ class Update:
     parts: list[torch.Tensor]
     #: the scratch holding the whole value (through scratch, or a shaped view of several chunks)
     scratch: torch.Tensor | None = None
-    #: host buffers backing ``scratch``, given back to the RAM tier at release
+    #: host buffers backing ``scratch``, given back at release (to the RAM tier, or the pool)
     scratch_buf: torch.Tensor | None = None
+    #: ``scratch_buf`` came from the store's ``ScratchPool``, not the RAM tier
+    pooled: bool = False
     codec: object = None
     chunked: bool = False
     done: bool = False
@@ -522,28 +526,25 @@ def check_unchanged(store: AsyncStore, rec: GenRecord, i: int, data: torch.Tenso
 
 
 async def begin_scratch(store: AsyncStore, rec: GenRecord, chunked: bool) -> Update:
-    """Decode ``rec`` into a scratch buffer counted in the RAM budget (coded, sharded or large)."""
+    """Decode ``rec`` into a scratch buffer of the store's pool (coded, sharded or large)."""
     for i in range(rec.grid.n_chunks):  # a raw chunk over half the budget may have been lent too
         if store._host.was_lent((rec.generation, i)):
             check_unchanged(store, rec, i, store._host.lookup((rec.generation, i)))
     dtype = rec.decoded_dtype
-    nbytes = max(1, rec.nbytes)
-    # in the budget only where it leaves room for the encoded chunks it is turned into
-    budget = store._host.budget
-    buf = await store._host.alloc(nbytes) if budget is None or nbytes <= budget // 4 else None
-    scratch = (buf if buf is not None else torch.empty(nbytes, dtype=torch.uint8))[: rec.nbytes].view(dtype)
+    buf = store._scratch.take(max(1, rec.nbytes))
+    scratch = buf[: rec.nbytes].view(dtype)
     store._pins.pin(rec.generation)
     try:
         await store._fill(rec, [(0, scratch.numel(), 0)], scratch)
     except BaseException:
-        if buf is not None:
-            store._host.recycle(buf)
+        del scratch
+        store._scratch.give(buf)
         raise
     finally:
         store._pins.unpin(rec.generation)
     sizes = [rec.grid.span(i)[1] for i in range(rec.grid.n_chunks)]
     return Update(rec.key, rec, None, split_flat(scratch, sizes), scratch=scratch,
-                  scratch_buf=buf, chunked=chunked)
+                  scratch_buf=buf, pooled=True, chunked=chunked)
 
 
 async def finish_update(store: AsyncStore, u: Update) -> None:
@@ -566,7 +567,7 @@ async def finish_update(store: AsyncStore, u: Update) -> None:
             finally:
                 store._finishing -= 1
     finally:
-        if u.scratch_buf is not None:
-            store._host.recycle(u.scratch_buf)
-        u.parts, u.scratch, u.scratch_buf = [], None, None
+        buf, u.parts, u.scratch, u.scratch_buf = u.scratch_buf, [], None, None
+        if buf is not None:
+            (store._scratch.give if u.pooled else store._host.recycle)(buf)
         store._borrows.release(rec.key)

@@ -11,6 +11,8 @@ largest piece of the model, not by its size:
 - gradients in flight: the group being back-propagated plus ``UpdateWorker``'s bounded queue;
 - the optimizer's working set: parameter, gradient, both moments and one temporary, each of the
   largest tensor (the update is per tensor);
+- the store's idle update scratch, kept for reuse apart from the RAM budget
+  (``tierstore.config.scratch_keep_bytes``: an eighth of it);
 - uncached chunk reads in flight: the store's read semaphore times the chunk size;
 - activations: the layer-boundary hidden states of one micro-batch plus one layer's autograd graph.
 
@@ -196,18 +198,20 @@ class RSSPlan:
     optimizer: int
     read_scratch: int
     activations: int
+    update_scratch: int
+    """Idle decode buffers the store keeps for the next update of a coded moment."""
 
     @property
     def total(self) -> int:
         """The expected peak RSS."""
         return (self.baseline + self.ram_tier + self.device_window + self.grads_in_flight + self.optimizer
-                + self.read_scratch + self.activations)
+                + self.read_scratch + self.activations + self.update_scratch)
 
     def lines(self) -> list[str]:
         """One line a part, in MiB."""
         return [f"{name:16s} {getattr(self, name) / _MIB:10.1f} MiB" for name in
                 ("baseline", "ram_tier", "device_window", "grads_in_flight", "optimizer", "read_scratch",
-                 "activations")] + [f"{'total':16s} {self.total / _MIB:10.1f} MiB"]
+                 "activations", "update_scratch")] + [f"{'total':16s} {self.total / _MIB:10.1f} MiB"]
 
 
 def rss_plan(*, baseline: int, ram_budget: int, device_budget: int, cpu_window: bool, group_bytes: list[int],
@@ -224,7 +228,8 @@ def rss_plan(*, baseline: int, ram_budget: int, device_budget: int, cpu_window: 
     grads = biggest * (queued_groups + 2)
     return RSSPlan(baseline=baseline, ram_tier=ram_budget, device_window=device_budget if cpu_window else 0,
                    grads_in_flight=grads, optimizer=5 * largest_tensor_bytes, read_scratch=read_slots * chunk_bytes,
-                   activations=activation_bytes)
+                   activations=activation_bytes,
+                   update_scratch=tierstore.config.scratch_keep_bytes(ram_budget))
 
 
 def max_queued_default() -> int:

@@ -114,6 +114,16 @@ def test_hot_keys_rank_below_every_plan_key_wherever_the_cycle_is() -> None:
     assert AccessPlan(["w0", "m0"]).rank("w0") >= 0  # without hot, a weight is ranked by distance
 
 
+def test_hot_keys_go_in_plan_order_among_themselves() -> None:
+    # a training step's weights, updated last layer first, w2 now: w1's backward is done and its
+    # update comes next; w3, updated first, is read last by the next forward pass
+    p = AccessPlan(["w3", "w2", "w1", "w0"], hot=["w3", "w2", "w1", "w0"])
+    p.touch("w2")
+    ranks = [p.rank(k) for k in ("w2", "w1", "w0", "w3")]
+    assert ranks == sorted(ranks) and len(set(ranks)) == 4  # evicted first: w3, w0, w1; w2 (in use) last
+    assert all(-1.0 < r < 0 for r in ranks)  # any alloc may take them, a read ahead (above >= 0) none
+
+
 def test_hot_keys_are_checked_like_plan_keys(tmp_path) -> None:
     with tierstore.open(tmp_path / "s", "w", device="cpu") as s:
         with pytest.raises(StoreError, match="sequence"):

@@ -145,7 +145,7 @@ def test_rss_plan_adds_up() -> None:
 
     p = memory.rss_plan(baseline=100, ram_budget=1000, device_budget=500, cpu_window=True, group_bytes=[10, 40, 20],
                         largest_tensor_bytes=8, chunk_bytes=4, read_slots=2, activation_bytes=3, queued_groups=1)
-    assert p.total == 100 + 1000 + 500 + 40 * 3 + 5 * 8 + 2 * 4 + 3
+    assert p.total == 100 + 1000 + 500 + 40 * 3 + 5 * 8 + 2 * 4 + 3 + 1000 // 8
     cuda = memory.rss_plan(baseline=100, ram_budget=1000, device_budget=500, cpu_window=False, group_bytes=[10],
                            largest_tensor_bytes=8, chunk_bytes=4, read_slots=2, activation_bytes=3, queued_groups=1)
     assert cuda.device_window == 0

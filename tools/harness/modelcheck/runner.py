@@ -182,10 +182,11 @@ class Runner:
         s = tierstore.open(self.path, mode=mode, device="cpu", version=version, **self.p.config)
         s._loop.loop.set_exception_handler(self._on_loop_error)
         if mode != "r" and "update" in self.p.features and self.p.seed % 2:
-            # half the programs that update run under an access plan (eviction by plan distance)
+            # half the programs that update run under an access plan (eviction by plan distance),
+            # half of those with a third of the keys hot (kept ahead of the rest, as weights)
             keys = self.p.keys()
             random.Random(self.p.seed).shuffle(keys)
-            s.plan(keys)
+            s.plan(keys, hot=keys[: len(keys) // 3] if self.p.seed % 4 == 1 else ())
         return s
 
     def _on_loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
