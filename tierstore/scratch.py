@@ -2,10 +2,10 @@
 
 An update of a coded (or sharded, or large) key decodes the whole value into a scratch buffer,
 lends it, and encodes it back as the new head at release. Allocated from the RAM tier, such a
-buffer pushed out the chunks it had to make room for: in a training step whose budget holds 40%
-of the weights, the moments' scratch (the decoded ``m`` and ``v`` of each parameter, 8 bytes a
-parameter) evicted 4.9 GB of weights a step that forward, backward or the next update read
-again. The pool keeps them apart:
+buffer pushed out the chunks it had to make room for: in a training step whose budget holds
+part of the weights, the moments' scratch (the decoded ``m`` and ``v`` of each parameter, 8
+bytes a parameter) evicted weights that forward, backward or the next update then read again
+(docs/benchmarks.md, "where the reads of a training step go"). The pool keeps them apart:
 
 - in use: one buffer per update through a scratch in flight, of the key's decoded size (so
   bounded by the updates the caller runs at once: the trainer's AdamW, one parameter);
@@ -71,8 +71,3 @@ class ScratchPool:
         self._serial += 1
         self._kept[(n, self._serial)] = buf
         self.kept_bytes += n
-
-    def clear(self) -> None:
-        """Let every kept buffer go."""
-        self._kept.clear()
-        self.kept_bytes = 0

@@ -151,7 +151,8 @@ def default_ram_budget(device_budget: int | None = None, cpu_window: bool = Fals
 
     MemAvailable (free memory plus reclaimable page cache, what other processes leave) minus
     20% of the total kept free, minus the device window when it lives in RAM (CPU device),
-    minus ``WORKING_SET_RESERVE`` for gradients, optimizer and activations; at least 64 MiB.
+    minus ``WORKING_SET_RESERVE`` for gradients, optimizer and activations, shared with the
+    idle update scratch the store keeps beside its budget (an eighth of it); at least 64 MiB.
     """
     try:
         info = meminfo()
@@ -162,7 +163,9 @@ def default_ram_budget(device_budget: int | None = None, cpu_window: bool = Fals
     budget = avail - total // 5 - WORKING_SET_RESERVE
     if cpu_window and device_budget is not None:
         budget -= device_budget
-    return max(64 * _MIB, int(budget))
+    # the budget and the scratch kept beside it (budget / SCRATCH_KEEP_DIVISOR) share what is left
+    div = tierstore.config.SCRATCH_KEEP_DIVISOR
+    return max(64 * _MIB, int(budget * div // (div + 1)))
 
 
 def layer_chunk_bytes(largest_layer_tensor_bytes: int, ram_budget: int | str | None) -> int | None:
