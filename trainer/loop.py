@@ -219,8 +219,19 @@ class TrainLoop:
         norms: dict[str, torch.Tensor] = {}
         loss_sum, tokens = 0.0, 0
         for j, batch in enumerate(micro):
-            sink = grad_sink(self.opt, self.worker, norms, step + 1, hyper, self.clip, j, j == len(micro) - 1, dp)
-            loss_sum += self.engine.forward_backward(batch, num_items, sink)
+            last = j == len(micro) - 1
+            sink = grad_sink(self.opt, self.worker, norms, step + 1, hyper, self.clip, j, last, dp)
+            # each group's update follows its backward: its weights are held until it begins
+            keep = last and self.clip is None and dp is None
+            self.engine.keep_for_update = self.opt.keep_for_update if keep else None
+            try:
+                loss_sum += self.engine.forward_backward(batch, num_items, sink)
+            except BaseException:
+                if keep:
+                    self.opt.drop_kept()
+                raise
+            finally:
+                self.engine.keep_for_update = None
             tokens += int(batch["attention_mask"].sum())
             st.num_input_tokens_seen += (int(batch["input_ids"].numel()) if cfg.include_num_input_tokens_seen
                                          == "all" else int(batch["attention_mask"].sum()))

@@ -186,6 +186,22 @@ class StoreAdamW:
             plan([k for n in weights for k in (n, EXP_AVG + n, EXP_AVG_SQ + n)], hot=weights)
         self.busy_s = 0.0
         """Seconds of whole group updates: store reads and writes plus the arithmetic."""
+        #: group -> its weights as backward's loans, held until its update begins (set on the
+        #: training thread, taken on the update's; a dict's set and pop are atomic)
+        self._kept: dict[int, list[torch.Tensor]] = {}
+
+    def keep_for_update(self, g: int, loans: list[torch.Tensor]) -> None:
+        """Hold group ``g``'s weights (backward's read-only loans) until its update begins.
+
+        A loan keeps the RAM tier from evicting the weights between the group's backward and
+        its update, which would otherwise read them again; the update lets go of it before it
+        borrows them writable (a loan still held would make it copy them).
+        """
+        self._kept[g] = list(loans)
+
+    def drop_kept(self) -> None:
+        """Let go of every weight still held for an update (a step that ends without them)."""
+        self._kept.clear()
 
     def _codecs(self, t: torch.Tensor) -> tuple[Any, Any]:
         # one policy for the whole project: small and 1-D tensors stay raw, v is unsigned,
@@ -256,6 +272,7 @@ class StoreAdamW:
         a scratch buffer and encoded back at the end of the update.
         """
         start = time.perf_counter()
+        self._kept.pop(g, None)  # backward's loans go before the update borrows the weights
         for names in self._batches(g):
             self._update(names, step, h, clip_coef, grads)
         end = time.perf_counter()

@@ -118,6 +118,11 @@ class StreamingEngine:
         # buffers (``get(copy=False)``: read-only loans, no copy into the window), and weights
         # are read ahead into the RAM tier. A tensor the store cannot lend is still copied.
         self.lend = device.type == "cpu" if lend is None else lend
+        #: set while each group's update follows its backward at once (no clipping, the last
+        #: micro-batch): a group's lent weights are handed to it after backward, and held until
+        #: its update begins (``StoreAdamW.keep_for_update``): read again otherwise, when the
+        #: RAM tier had evicted them in between
+        self.keep_for_update: Callable[[int, list[torch.Tensor]], None] | None = None
         self.read_bytes = [sum(int(store.info(n).nbytes) for n in names) for names in self.reads]
         biggest = max(range(len(self.reads)), key=self.read_bytes.__getitem__)
         if window_bytes is not None and self.read_bytes[biggest] > window_bytes:
@@ -166,6 +171,11 @@ class StreamingEngine:
                for name, t in zip(self.reads[g], held, strict=True)}
         self._span(f"fetch {g}", "wait", t0)
         return out, held
+
+    def _keep(self, g: int, held: list[torch.Tensor]) -> None:
+        """Hand group ``g``'s lent weights to its update (``keep_for_update``), if one is set."""
+        if self.lend and self.keep_for_update is not None:
+            self.keep_for_update(g, held)
 
     def _span(self, name: str, cat: str, t0: float) -> None:
         """Trace ``name`` from ``t0`` to now on this thread (``tierstore trace`` draws it)."""
@@ -260,9 +270,11 @@ class StreamingEngine:
         logits = self._head(w, x)
         loss_sum = causal_lm_loss_sum(logits, batch["labels"])
         grads = torch.autograd.grad(loss_sum / num_items, [x, *w.values()], allow_unused=True)
+        loss_sum = loss_sum.detach()  # its graph holds the head's weights (as leaves) while alive
         dh = grads[0]
         head_grads = self._host_grads(w, grads[1:])
         self._span(f"head {head_g}", "compute", t0)
+        self._keep(head_g, held)
         del logits, w, held, grads
         tied_key = self.parts.head_params.get("weight") if self.parts.tied else None
         tied_grad = head_grads.pop(tied_key) if tied_key is not None and tied_key in head_grads else None
@@ -277,8 +289,13 @@ class StreamingEngine:
             grads = torch.autograd.grad(out, [x, *w.values()], dh, allow_unused=True)
             dh = grads[0]
             self._span(f"backward {i + 1}", "compute", t0)
-            self.drain.submit(i + 1, self._device_grads(w, grads[1:]), sink)
+            layer_grads = self._device_grads(w, grads[1:])
+            self._keep(i + 1, held)
+            # nothing here may still hold the weights once the sink can start their update:
+            # a loan alive then makes the update copy them (copy-on-write)
             del out, w, held, grads
+            self.drain.submit(i + 1, layer_grads, sink)
+            del layer_grads
         # The prelude: recompute the embeddings with autograd and backprop into them.
         w, held = self._fetch(0, grad=True)
         t0 = time.perf_counter()
@@ -288,6 +305,7 @@ class StreamingEngine:
         grads = torch.autograd.grad(c.args[0], list(w.values()), dh, allow_unused=True)
         pre = self._host_grads(w, grads)
         self._span("backward 0", "compute", t0)
+        self._keep(0, held)
         del w, held, c, grads
         self.drain.flush()  # every layer's sink has run: the prelude's comes last, as before
         if tied_grad is not None:

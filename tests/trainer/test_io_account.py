@@ -134,3 +134,48 @@ def test_the_store_plan_follows_the_order_of_the_updates(dataset: Any, tmp_path:
     assert seen, "the optimizer gave the store no plan"
     assert seen[-1][0] == first, seen[-1][:3]
     assert seen[-1][1] == EXP_AVG + seen[-1][0] and seen[-1][2] == EXP_AVG_SQ + seen[-1][0]
+
+
+@pytest.mark.parametrize(("clip", "accumulate", "kept"), [(None, 1, True), (1.0, 1, False), (None, 2, True)])
+def test_backward_holds_each_groups_weights_until_its_update(dataset: Any, tmp_path: Any, clip: float | None,
+                                                             accumulate: int, kept: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the CPU a group's weights are backward's loans from the RAM tier. Where its update
+    # follows at once (no clipping, the last micro-batch) they are held until it begins, so the
+    # RAM tier cannot evict them in between; it lets go first, so nothing is copied on write.
+    from trainer.optimizer import StoreAdamW
+
+    calls: list[tuple[int, int]] = []
+    at_update: list[bool] = []
+    real_keep, real_update = StoreAdamW.keep_for_update, StoreAdamW.update_group
+
+    def keep(self: Any, g: int, loans: list[Any]) -> None:
+        calls.append((g, len(loans)))
+        real_keep(self, g, loans)
+
+    def update(self: Any, g: int, *args: Any, **kwargs: Any) -> None:
+        at_update.append(g in self._kept)
+        real_update(self, g, *args, **kwargs)
+        assert g not in self._kept
+
+    monkeypatch.setattr(StoreAdamW, "keep_for_update", keep)
+    monkeypatch.setattr(StoreAdamW, "update_group", update)
+    model = build(llama_config())
+    mt.init(offload_dir=None, max_vram_gb=f"{weight_bytes(model)}B", device="cpu")
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2,
+                             gradient_accumulation_steps=accumulate, save_steps=0, logging_steps=1,
+                             report_to=[], disable_tqdm=True, max_grad_norm=clip)
+    tr = mt.Trainer(model=model, args=args, train_dataset=dataset)
+    try:
+        tr.train()
+        groups = len(tr._engine.groups)
+        stats = tr.store.stats()
+    finally:
+        tr.close()
+    assert len(at_update) == 2 * groups
+    if kept:  # every group, once a step (the last micro-batch's backward only), each with its weights
+        assert sorted(g for g, _ in calls) == sorted(2 * list(range(groups))) and all(n > 0 for _, n in calls)
+        assert all(at_update)
+    else:
+        assert calls == [] and not any(at_update)
+    assert stats["bytes_copied_on_write"] == 0
