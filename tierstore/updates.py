@@ -171,10 +171,9 @@ class Update:
     parts: list[torch.Tensor]
     #: the scratch holding the whole value (through scratch, or a shaped view of several chunks)
     scratch: torch.Tensor | None = None
-    #: host buffers backing ``scratch``, given back at release (to the RAM tier, or the pool)
+    #: host buffers backing ``scratch``, given back at release: to the RAM tier (in place, a
+    #: shaped view of several chunks) or to the store's ``ScratchPool`` (through scratch)
     scratch_buf: torch.Tensor | None = None
-    #: ``scratch_buf`` came from the store's ``ScratchPool``, not the RAM tier
-    pooled: bool = False
     codec: object = None
     chunked: bool = False
     done: bool = False
@@ -544,7 +543,7 @@ async def begin_scratch(store: AsyncStore, rec: GenRecord, chunked: bool) -> Upd
         store._pins.unpin(rec.generation)
     sizes = [rec.grid.span(i)[1] for i in range(rec.grid.n_chunks)]
     return Update(rec.key, rec, None, split_flat(scratch, sizes), scratch=scratch,
-                  scratch_buf=buf, pooled=True, chunked=chunked)
+                  scratch_buf=buf, chunked=chunked)
 
 
 async def finish_update(store: AsyncStore, u: Update) -> None:
@@ -569,5 +568,5 @@ async def finish_update(store: AsyncStore, u: Update) -> None:
     finally:
         buf, u.parts, u.scratch, u.scratch_buf = u.scratch_buf, [], None, None
         if buf is not None:
-            (store._scratch.give if u.pooled else store._host.recycle)(buf)
+            (store._host.recycle if u.new is not None else store._scratch.give)(buf)
         store._borrows.release(rec.key)
