@@ -22,7 +22,7 @@ def open(path: str | os.PathLike[str], mode: str = "a", *, ram_budget: int | str
     """
     config = StoreConfig(ram_budget=ram_budget, device_budget=device_budget, device=device, **options)
     _Finalizing.wait(os.path.realpath(path))  # a store of this path dropped without close()
-    loop = LoopThread()
+    loop = LoopThread(kernel_threads=config.kernel_threads)
     try:
         astore = loop.run(AsyncStore.open(path, mode, config, version))
     except BaseException:

@@ -88,6 +88,10 @@ class StoreConfig:
     #: serve row gathers of committed raw sharded tables whose pages are in the page cache on
     #: the calling thread, from read-only mmaps (``tierstore.mapped``); False: always via the loop
     mapped_gathers: bool = True
+    #: OpenMP threads of each torch CPU kernel the store's own threads run (codecs, copies);
+    #: None = torch's default. 1 where the caller computes on the same cores: a second OpenMP
+    #: team makes the caller's team sleep between its kernels (``tierstore.kernel_threads``)
+    kernel_threads: int | None = None
     #: spans of the I/O trace kept (``Store.chrome_trace``): the first ones, about 450 B each;
     #: 0 turns tracing off
     trace_events: int = DEFAULT_TRACE_EVENTS
@@ -117,4 +121,7 @@ class StoreConfig:
             raise StoreError("prefetch_ahead must be >= 0")
         if isinstance(self.trace_events, bool) or not isinstance(self.trace_events, int) or self.trace_events < 0:
             raise StoreError(f"trace_events must be an int >= 0 (0: no trace), got {self.trace_events!r}")
+        if self.kernel_threads is not None and (isinstance(self.kernel_threads, bool) or not isinstance(
+                self.kernel_threads, int) or self.kernel_threads < 1):
+            raise StoreError(f"kernel_threads must be None or an int >= 1, got {self.kernel_threads!r}")
         self.io_threads = min(self.io_threads, max(4, (os.cpu_count() or 2) * 2))

@@ -55,6 +55,7 @@ from tierstore.errors import (
     StoreNotFound,
 )
 from tierstore.faults import FaultPlan
+from tierstore.kernel_threads import executor_options
 from tierstore.keys import validate_key
 from tierstore.layout import ChunkGrid
 from tierstore.leases import PinTable, ReaderLease
@@ -127,11 +128,12 @@ class AsyncStore(ReadPath):
         self._window = DeviceWindow(config.device, config.device_budget)
         self._window.attach_staging(self._host)  # pinned copy buffers in the RAM budget (CUDA only)
         self._predictor = AccessPredictor(config.prefetch_ahead)
-        self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierstore-io")
+        pools = executor_options(config.kernel_threads)
+        self._io = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierstore-io", **pools)
         #: folder deletions of collected generations: never urgent, and an unlink of a large
         #: file can block for milliseconds, so they never hold an io thread that a read waits for
-        self._deleter = ThreadPoolExecutor(1, thread_name_prefix="tierstore-delete")
-        self._cpu = ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="tierstore-cpu")
+        self._deleter = ThreadPoolExecutor(1, thread_name_prefix="tierstore-delete", **pools)
+        self._cpu = ThreadPoolExecutor(max(1, os.cpu_count() or 1), thread_name_prefix="tierstore-cpu", **pools)
         self._head: dict[str, GenRecord] = {}
         self._records: dict[int, GenRecord] = {}  # every generation with a catalog record
         self._committed: set[int] = set()  # generations referenced by retained commits

@@ -29,6 +29,7 @@ import torch
 
 from tierstore.codecs import Codec
 from tierstore.errors import StoreClosed, StoreError
+from tierstore.kernel_threads import limit_this_thread
 from tierstore.reads import Index
 from tierstore.records import Commit, TensorInfo
 from tierstore.store import AsyncStore
@@ -40,10 +41,16 @@ T = TypeVar("T")
 class LoopThread:
     """A daemon thread running an event loop; the store's coroutines all run on it."""
 
-    def __init__(self, name: str = "tierstore-loop"):
+    def __init__(self, name: str = "tierstore-loop", kernel_threads: int | None = None):
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._kernel_threads = kernel_threads
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    def _run(self) -> None:
+        if self._kernel_threads is not None:  # before the loop runs any torch kernel
+            limit_this_thread(self._kernel_threads)
+        self.loop.run_forever()
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait for its result in the calling thread."""

@@ -106,7 +106,9 @@ class TrainLoop:
         else:  # each rank updates its rows of every parameter and all-gathers the rest
             self.opt = distributed.ShardedAdamW(dp, store, self.groups, no_decay_names(tr.model), compression,
                                                 tr._lock)
-        self.worker = tr._worker = UpdateWorker(self.opt.update_group)
+        self.worker = tr._worker = UpdateWorker(
+            self.opt.update_group,
+            kernel_threads=session.background_kernel_threads(session.compute_device(cfg), compression))
         self.engine = tr._engine = StreamingEngine(
             tr.parts, store, session.compute_device(cfg), bf16=cfg.bf16, store_lock=tr._lock,
             before_fetch=self.worker.wait_group, window_bytes=store.stats().get("device_budget"))

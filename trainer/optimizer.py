@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 import tierstore
+from tierstore.kernel_threads import limit_this_thread
 
 GRAD = "grad/"
 EXP_AVG = "opt/exp_avg/"
@@ -378,10 +379,12 @@ class UpdateWorker:
     slower than backward would collect the whole model's gradients in RAM.
     """
 
-    def __init__(self, run: Callable[..., None], max_queued: int | None = None) -> None:
+    def __init__(self, run: Callable[..., None], max_queued: int | None = None,
+                 kernel_threads: int | None = None) -> None:
         from trainer.memory import max_queued_default
 
         self._run = run
+        self._kernel_threads = kernel_threads  # OpenMP threads of its kernels (None: torch's default)
         self.max_queued = max_queued_default() if max_queued is None else max_queued
         if self.max_queued < 1:
             raise ValueError(f"max_queued must be >= 1, got {self.max_queued}")
@@ -395,6 +398,8 @@ class UpdateWorker:
         self._thread.start()
 
     def _loop(self) -> None:
+        if self._kernel_threads is not None:
+            limit_this_thread(self._kernel_threads)
         while True:
             item = self._q.get()
             if item is None:

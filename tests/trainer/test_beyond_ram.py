@@ -141,6 +141,29 @@ def test_update_worker_bounds_the_gradients_it_holds() -> None:
     assert w.wait_s > 0
 
 
+def test_update_worker_runs_its_kernels_on_the_threads_it_is_given() -> None:
+    import torch
+
+    from tierstore.kernel_threads import _loaded_runtime
+    from trainer import session
+    from trainer.optimizer import UpdateWorker
+
+    seen: list[int] = []
+    default = torch.get_num_threads()
+    for n in (None, 1):
+        w = UpdateWorker(lambda g: seen.append(torch.get_num_threads()), kernel_threads=n)
+        w.submit(0)
+        w.wait_all()
+        w.close()
+    if _loaded_runtime() is not None and default > 1:
+        assert seen == [default, 1]
+    assert torch.get_num_threads() == default
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [session.background_kernel_threads(cpu, c) for c in (None, False, "raw")] == [1, 1, 1]
+    assert [session.background_kernel_threads(cpu, c) for c in (True, "q8", "q4")] == [None, None, None]
+    assert session.background_kernel_threads(cuda, None) is None
+
+
 def test_rss_plan_adds_up() -> None:
     from trainer import memory
 

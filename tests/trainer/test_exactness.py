@@ -18,6 +18,7 @@ from plain_reference import (
 )
 
 from trainer.args import TrainingArguments
+from trainer.optimizer import UpdateWorker
 from trainer.streaming import StreamingEngine
 
 STEPS = 6
@@ -43,14 +44,24 @@ def _run(config: Any, dataset: Any, tmp: Any, clip: float = 0.5, lend: bool = Tr
     vram = wbytes * 45 // 100
     ram = wbytes * 2
     args = _args(tmp, clip)
-    tr = train_streaming(model, dataset, args, vram=f"{vram}B", ram=f"{ram}B")
+    workers: list[UpdateWorker] = []
+    init = UpdateWorker.__init__
+
+    def recorded(self: UpdateWorker, *a: Any, **k: Any) -> None:
+        init(self, *a, **k)
+        workers.append(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(UpdateWorker, "__init__", recorded)
+        tr = train_streaming(model, dataset, args, vram=f"{vram}B", ram=f"{ram}B")
     try:
         ref_losses = reference_train(ref, dataset, args, STEPS)
         weights = {n: tr.store.get(n) for n, _ in ref.named_parameters()}
         stats = tr.store.stats()
+        kernel_threads = tr.store.config.kernel_threads, [w._kernel_threads for w in workers]
     finally:
         tr.close()
-    return {"losses": [e["loss"] for e in [e for e in tr.state.log_history if "loss" in e]], "ref_losses": ref_losses, "weights": weights,
+    return {"kernel_threads": kernel_threads, "losses": [e["loss"] for e in [e for e in tr.state.log_history if "loss" in e]], "ref_losses": ref_losses, "weights": weights,
             "ref": ref, "stats": stats, "vram": vram, "ram": ram, "log": [e for e in tr.state.log_history if "loss" in e]}
 
 
@@ -85,6 +96,12 @@ def test_losses_and_weights_match_plain_pytorch(run: str, request: Any) -> None:
     assert r["losses"][-1] < r["losses"][0]
     for name, p in r["ref"].named_parameters():
         torch.testing.assert_close(r["weights"][name], p.detach(), atol=1e-5, rtol=0, msg=name)
+
+
+def test_raw_moments_on_the_cpu_leave_the_cores_to_the_training_threads_team(llama_run: dict[str, Any]) -> None:
+    # the store's threads and the optimizer's run their kernels on one thread each (and the
+    # run above still equals plain PyTorch)
+    assert llama_run["kernel_threads"] == (1, [1])
 
 
 def test_gpt2_embeddings_are_tied_in_one_key(gpt2_run: dict[str, Any]) -> None:
