@@ -14,12 +14,18 @@ weights and moments it needs but the gradients crowd out, or the gradients spill
 forward's and backward's ``2 max(0, W - C)``; gradients beyond ``C`` are also written once.
 The CPU optimizer runs beside the next step, so a step's counted bytes hold some of the previous
 step's updates: compare averages over steps, not single steps.
+
+A window on the CPU adds to ``C`` only the weights it copies (``cpu_window_capacity``): a raw
+weight in one chunk is lent to the layer from the RAM tier and counted in the RAM budget, so
+it takes no window room, and the window's budget carries nothing of it between passes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+import tierstore.codecs
 
 #: log_history key -> store.stats() counter
 COUNTERS = {
@@ -50,6 +56,21 @@ def minimum(weights: int, moments: int, ram_budget: int | None, window: int | No
     return 2 * weights + read_m - saved, written
 
 
+def cpu_window_capacity(device_budget: int | None, copied: int) -> int:
+    """What a CPU window holds between passes: the ``copied`` bytes of weights it cannot lend, up to its budget."""
+    return copied if device_budget is None else min(device_budget, copied)
+
+
+def copied_weight_bytes(store: Any, params: Iterable[str]) -> int:
+    """Bytes of the weights among ``params`` that a CPU window copies: several chunks or a coded codec."""
+    total = 0
+    for k in params:
+        info = store.info(k)
+        if info.chunks != 1 or not tierstore.codecs.from_spec(info.codec).raw_layout:
+            total += info.nbytes
+    return total
+
+
 def stored_bytes(store: Any, keys: Iterable[str]) -> int | None:
     """Stored bytes of ``keys`` (None when one is not in the store yet)."""
     total = 0
@@ -70,6 +91,7 @@ class StepAccount:
         self.moment_keys = moment_keys
         self.clipping = clipping  # clipping holds every gradient (the weights' logical bytes) until backward ends
         self._weights: int | None = None
+        self._window: int | None = None  # what the window adds to the RAM tier between passes
         self._grads = 0
         self._moments: int | None = None
 
@@ -81,6 +103,10 @@ class StepAccount:
         out: dict[str, float] = dict(moved(before, after))
         if self._weights is None:
             self._weights = stored_bytes(self.store, self.params)
+            cfg = self.store.config
+            self._window = cfg.device_budget
+            if self._weights is not None and cfg.device.type == "cpu":
+                self._window = cpu_window_capacity(cfg.device_budget, copied_weight_bytes(self.store, self.params))
             if self._weights is not None and self.clipping:
                 self._grads = sum(self.store.info(k).nbytes for k in self.params)
         if self._moments is None and step > 1:  # written by step 1's updates
@@ -89,7 +115,7 @@ class StepAccount:
             return out
         m = self._moments or 0
         cfg = self.store.config
-        lo_read, lo_written = minimum(self._weights, m, cfg.ram_budget, cfg.device_budget, step == 1,
+        lo_read, lo_written = minimum(self._weights, m, cfg.ram_budget, self._window, step == 1,
                                       held_grads=self._grads)
         out["io_min_disk_read_bytes"] = lo_read
         out["io_min_disk_written_bytes"] = lo_written

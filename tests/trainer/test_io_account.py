@@ -9,7 +9,7 @@ from plain_reference import build, llama_config, weight_bytes
 
 import trainer as mt
 from trainer.args import TrainingArguments
-from trainer.io_account import COUNTERS, minimum, moved
+from trainer.io_account import COUNTERS, copied_weight_bytes, cpu_window_capacity, minimum, moved
 from trainer.optimizer import EXP_AVG, EXP_AVG_SQ
 
 STEPS = 4
@@ -38,6 +38,24 @@ def test_minimum_and_moved() -> None:
                                     "io_h2d_bytes": 3, "io_d2h_bytes": 0}
 
 
+def test_a_cpu_window_holds_only_the_weights_it_copies(tmp_path: Any) -> None:
+    import torch
+
+    import tierstore
+
+    with tierstore.open(tmp_path / "s", mode="w", ram_budget="1MiB", chunk_bytes=4096, device="cpu") as s:
+        s.put("lent", torch.ones(32, 32))              # 4 KiB: one raw chunk, lent from the RAM tier
+        s.put("chunks", torch.ones(64, 32))            # 8 KiB: two chunks, copied into the window
+        s.put("coded", torch.ones(32, 32), codec="q8")  # decoded into the window
+        assert [s.info(k).chunks for k in ("lent", "chunks")] == [1, 2]
+        assert copied_weight_bytes(s, ["lent"]) == 0
+        assert copied_weight_bytes(s, ["lent", "chunks", "coded"]) == 8192 + 4096
+    assert cpu_window_capacity(10_000, 12_288) == 10_000  # up to its budget
+    assert cpu_window_capacity(None, 12_288) == 12_288
+    # the minimum counts only what the window holds beside the RAM tier
+    assert minimum(100, 40, 30, cpu_window_capacity(50, 0))[0] > minimum(100, 40, 30, 50)[0]
+
+
 def test_log_history_carries_each_steps_io(dataset: Any, tmp_path: Any) -> None:
     model = build(llama_config(layers=4))
     names = [n for n, _ in model.named_parameters()]
@@ -53,6 +71,7 @@ def test_log_history_carries_each_steps_io(dataset: Any, tmp_path: Any) -> None:
         logs = [e for e in tr.state.log_history if "loss" in e]
         stats = tr.store.stats()
         info = {k: tr.store.info(k).stored_nbytes for k in tr.store.keys()}
+        copied = copied_weight_bytes(tr.store, names)
     finally:
         tr.close()
     assert [e["step"] for e in logs] == list(range(1, STEPS + 1))
@@ -66,7 +85,7 @@ def test_log_history_carries_each_steps_io(dataset: Any, tmp_path: Any) -> None:
         # step 1 logs before its moments exist (they are written by its own updates)
         m = 0 if e["step"] == 1 else M
         assert (e["io_min_disk_read_bytes"], e["io_min_disk_written_bytes"]) == \
-            minimum(W, m, ram, vram, first_step=e["step"] == 1, held_grads=G)
+            minimum(W, m, ram, cpu_window_capacity(vram, copied), first_step=e["step"] == 1, held_grads=G)
         assert e["io_disk_vs_min"] == (e["io_disk_read_bytes"] + e["io_disk_written_bytes"]) / (
             e["io_min_disk_read_bytes"] + e["io_min_disk_written_bytes"])
     # the steps' bytes are the store's own counts, a part of what it moved in all

@@ -91,6 +91,12 @@ class Shape:
         """Elements of the largest tensor (the embedding or an MLP matrix)."""
         return max(self.vocab * self.hidden, self.hidden * self.intermediate)
 
+    def tensor_elements(self) -> list[int]:
+        """Elements of each weight tensor: embedding, each layer's seven matrices and two norms, final norm, head."""
+        h, i = self.hidden, self.intermediate
+        layer = [h * h] * 4 + [h * i] * 3 + [h] * 2
+        return [self.vocab * h, *layer * self.layers, h, self.vocab * h]
+
     @property
     def matrix_elements(self) -> int:
         """Elements of 2-D tensors (the ones whose moments are quantized)."""
@@ -672,9 +678,12 @@ def report(a: argparse.Namespace, s: Shape, ram_total: int, ram: int, vram: int,
     print(f"  losses: {', '.join(f'{x:.4f}' for x in losses)}  "
           f"(finite: {all(math.isfinite(x) for x in losses)}, decreasing: "
           f"{all(b < a_ for a_, b in zip(losses, losses[1:], strict=False))})")
-    min_read, min_write = io_account.minimum(W, M, ram, vram)
-    print("  per step (min read = 2 x weights (forward, backward) + moments - 2 x (RAM + window): what the")
-    print("  budgets can carry into each pass; min write = weights + moments, all updated each step):")
+    # the CPU window lends a weight in one chunk from the RAM tier: it holds only the ones it copies
+    window = io_account.cpu_window_capacity(vram, sum(4 * e for e in s.tensor_elements() if 4 * e > chunk))
+    min_read, min_write = io_account.minimum(W, M, ram, window)
+    print("  per step (min read = 2 x weights (forward, backward) + moments - 2 x (RAM + the weights the window")
+    print(f"  copies, {_gb(window)}): what the budgets can carry into each pass; min write = weights + moments,")
+    print("  all updated each step):")
     print(f"    {'step':>4} {'loss':>9} {'wall s':>8} {'read GB':>8} {'write GB':>9} {'x min':>6} "
           f"{'compute':>8} {'I/O wait':>8} {'optim':>7} {'codec':>7} {'tok/s':>7}")
     floor_io = min_read / read_bw + min_write / write_bw
@@ -684,7 +693,7 @@ def report(a: argparse.Namespace, s: Shape, ram_total: int, ram: int, vram: int,
         compute = max(0.0, t.get("fb", 0.0) - wait)
         io_wait = e["wall_s"] - compute
         moved = e["read"] + e["written"]
-        mn = sum(io_account.minimum(W, M, ram, vram, first_step=e["step"] == 1))  # step 1 reads no moments
+        mn = sum(io_account.minimum(W, M, ram, window, first_step=e["step"] == 1))  # step 1 reads no moments
         print(f"    {e['step']:>4} {e['loss']:>9.4f} {e['wall_s']:>8.1f} {e['read'] / 1e9:>8.2f} "
               f"{e['written'] / 1e9:>9.2f} {moved / max(1, mn):>6.2f} {compute:>8.1f} {io_wait:>8.1f} "
               f"{e['update_s']:>7.1f} {t.get('codec', 0.0):>7.1f} {a.seq / e['wall_s']:>7.2f}")
