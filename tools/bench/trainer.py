@@ -14,15 +14,21 @@ round's streaming step ``--steps`` (the next to last: the last one also holds th
 ``tierstore trace RUN_DIR --step N`` would, and keeps its Chrome trace next to it. ``core-s``
 and ``idle``: the process's CPU seconds a step and the share of the cores it left unused (on
 two cores each core-second the store's threads take costs the step more than its own length).
+``blocks``: the times a step the training thread blocked (voluntary context switches: a wait
+for a lock, a future, or its OpenMP team's workers); below the table, each streaming run's CPU
+seconds a step by thread (Linux).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import re
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -41,9 +47,42 @@ def _config(a: argparse.Namespace) -> Any:
                        max_position_embeddings=a.seq, bos_token_id=0, eos_token_id=1)
 
 
+def _thread_times() -> dict[str, tuple[float, int]]:
+    """(CPU seconds, times blocked) of this process's threads so far, by name; {} without ``/proc``.
+
+    Python threads go by their name less any pool number (``tierstore-io_2``: ``tierstore-io``),
+    the others (OpenMP workers, torch's own) as ``native``.
+    """
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    out: dict[str, tuple[float, int]] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/status") as f:
+                blocks = int(re.search(r"^voluntary_ctxt_switches:\s*(\d+)", f.read(), re.M).group(1))  # type: ignore[union-attr]
+        except (OSError, AttributeError, IndexError):
+            continue  # the thread ended meanwhile
+        name = re.sub(r"_\d+$", "", names.get(int(tid), "native"))
+        cpu, n = out.get(name, (0.0, 0))
+        out[name] = (cpu + (int(fields[11]) + int(fields[12])) / tick, n + blocks)
+    return out
+
+
+def _delta(before: dict[str, tuple[float, int]], after: dict[str, tuple[float, int]]) -> dict[str, tuple[float, int]]:
+    """Per thread name: CPU seconds and blocks between two ``_thread_times`` snapshots."""
+    zero = (0.0, 0)
+    return {k: (v[0] - before.get(k, zero)[0], v[1] - before.get(k, zero)[1]) for k, v in after.items()}
+
+
 def _plain(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], checkpointing: bool
-           ) -> list[tuple[float, float]]:
-    """(wall, process CPU) seconds of each plain PyTorch step (forward, backward, clip, AdamW) in RAM."""
+           ) -> list[tuple[float, float, int]]:
+    """(wall, process CPU, training thread's blocks) of each plain PyTorch step (forward, backward, clip, AdamW)."""
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -61,15 +100,17 @@ def _plain(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], check
 
 
 def _plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict[str, torch.Tensor]
-                ) -> tuple[float, float]:
-    """One plain step's (wall seconds, process CPU seconds): forward, backward, clip, AdamW, zero_grad."""
+                ) -> tuple[float, float, int]:
+    """One plain step's (wall s, process CPU s, training thread's blocks): forward, backward, clip, AdamW."""
+    before = _thread_times()
     t0, c0 = time.perf_counter(), time.process_time()
     out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"])
     out.loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0, time.process_time() - c0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return wall, cpu, _delta(before, _thread_times()).get("MainThread", (0.0, 0))[1]
 
 
 def _step_clock() -> Any:
@@ -79,13 +120,19 @@ def _step_clock() -> Any:
     class StepClock(TrainerCallback):
         def __init__(self) -> None:
             self.marks: list[float] = [time.process_time()]
+            self.threads = [_thread_times()]
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.marks.append(time.process_time())
+            self.threads.append(_thread_times())
 
         def cpu(self) -> list[float]:
             """Process CPU seconds of each step (the first one's from the run's start)."""
             return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
+
+        def per_thread(self) -> list[dict[str, tuple[float, int]]]:
+            """Each step's CPU seconds and blocks by thread name (as ``cpu``)."""
+            return [_delta(a, b) for a, b in zip(self.threads, self.threads[1:], strict=False)]
 
     return StepClock()
 
@@ -107,8 +154,9 @@ def _streaming(model: torch.nn.Module, dataset: Any, a: argparse.Namespace, vram
     finally:
         tr.close()
     log = [e for e in tr.state.log_history if "loss" in e]
-    for e, cpu in zip(log, clock.cpu(), strict=False):
+    for e, cpu, threads in zip(log, clock.cpu(), clock.per_thread(), strict=False):
         e["cpu_s"] = cpu
+        e["threads"] = threads
     return log[1:], stats
 
 
@@ -158,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Rounds alternate the three runs, so that load from other processes falls on all of them.
     times: dict[str, list[float]] = {name: [] for name in RUNS}
     cpus: dict[str, list[float]] = {name: [] for name in RUNS}
+    blocks: dict[str, list[int]] = {name: [] for name in RUNS}
+    by_thread: dict[str, dict[str, list[float]]] = {name: collections.defaultdict(list) for name in RUNS[2:]}
     stalls: dict[str, list[float]] = {name: [] for name in RUNS[2:]}
     busy = dict.fromkeys(RUNS[2:], 0.0)
     stats: dict[str, Any] = {}
@@ -166,9 +216,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, ckpt in ((RUNS[0], False), (RUNS[1], True)):
             m = AutoModelForCausalLM.from_config(config)
             m.load_state_dict(init)
-            for wall, cpu in _plain(m, batches, ckpt):
+            for wall, cpu, blocked in _plain(m, batches, ckpt):
                 times[name].append(wall)
                 cpus[name].append(cpu)
+                blocks[name].append(blocked)
             del m
         for name, budget in ((RUNS[2], ram), (RUNS[3], 2 * state)):
             m = AutoModelForCausalLM.from_config(config)
@@ -184,6 +235,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 stats = run_stats
             times[name] += [e["step_s"] for e in log]
             cpus[name] += [e["cpu_s"] for e in log if "cpu_s" in e]
+            for e in log:
+                for thread, (cpu, blocked) in e.get("threads", {}).items():
+                    by_thread[name][thread].append(cpu)
+                    if thread == "MainThread":
+                        blocks[name].append(blocked)
             stalls[name] += [e["stall_s"] for e in log]
             busy[name] += sum(e["optimizer_s"] for e in log)
     if a.dir is None:
@@ -195,12 +251,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     base, ckpt = rows[0][1], rows[1][1]
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     print(f"{'run':42s} {'step s':>8s} {'tokens/s':>9s} {'vs plain':>9s} {'vs ckpt':>8s} {'core-s':>7s} "
-          f"{'idle':>5s} {'stall s':>8s} {'optimizer':>9s}")
+          f"{'idle':>5s} {'blocks':>7s} {'stall s':>8s} {'optimizer':>9s}")
     for name, s, st, share in rows:
         cpu = statistics.median(cpus[name]) if cpus[name] else float("nan")
+        blocked = f"{statistics.median(blocks[name]):.0f}" if blocks[name] else "n/a"
         print(f"{name:42s} {s:8.3f} {tokens / s:9.0f} {base / s:8.2f}x {s / ckpt:7.2f}x {cpu:7.2f} "
-              f"{1 - cpu / (cores * s):5.0%} {'' if st is None else f'{st:.3f}':>8s} "
+              f"{1 - cpu / (cores * s):5.0%} {blocked:>7s} {'' if st is None else f'{st:.3f}':>8s} "
               f"{'' if share is None else f'{share:.0%}':>9s}")
+    for name in RUNS[2:]:
+        medians = sorted(((statistics.median(v), k) for k, v in by_thread[name].items()), reverse=True)
+        if medians:
+            print(f"{name}: core-s a step by thread: "
+                  + ", ".join(f"{k} {v:.2f}" for v, k in medians if v >= 0.005)
+                  + " (native: OpenMP workers and torch's own threads)")
     print(f"streaming store (RAM 1/2 of the state): peak device {stats['peak_device_bytes'] / 2**20:.1f} MiB, peak host "
           f"{stats['peak_host_bytes'] / 2**20:.1f} MiB, disk read {stats['bytes_read_disk'] / 2**20:.0f} MiB, "
           f"written {stats['bytes_written_disk'] / 2**20:.0f} MiB, h2d {stats['bytes_h2d'] / 2**20:.0f} MiB, "
@@ -211,6 +274,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("optimizer = share of the streaming step spent in the CPU AdamW update (worker thread, overlapped)")
     print(f"core-s = the process's CPU seconds a step (all threads); idle = the share of the {cores} cores' "
           "time in the step that no thread of the process used")
+    print("blocks = the times a step the training thread blocked (voluntary context switches: locks, futures, "
+          "its OpenMP team)")
     return 0
 
 
