@@ -88,9 +88,10 @@ class StoreConfig:
     #: serve row gathers of committed raw sharded tables whose pages are in the page cache on
     #: the calling thread, from read-only mmaps (``tierstore.mapped``); False: always via the loop
     mapped_gathers: bool = True
-    #: OpenMP threads of each torch CPU kernel the store's own threads run (codecs, copies);
-    #: None = torch's default. 1 where the caller computes on the same cores: a second OpenMP
-    #: team makes the caller's team sleep between its kernels (``tierstore.kernel_threads``)
+    #: OpenMP threads of each torch CPU kernel the store's own threads run (codecs, copies; the
+    #: caller's loop of ``open_async`` is not the store's); None = torch's default. 1 where the
+    #: caller computes on the same cores: a second OpenMP team makes the caller's team sleep
+    #: between its kernels (``tierstore.kernel_threads``)
     kernel_threads: int | None = None
     #: spans of the I/O trace kept (``Store.chrome_trace``): the first ones, about 450 B each;
     #: 0 turns tracing off
