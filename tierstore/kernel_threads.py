@@ -23,8 +23,8 @@ and ``limit_this_thread`` says so.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -32,9 +32,6 @@ import torch
 
 #: basenames of the OpenMP runtimes torch builds link (GNU, Intel, LLVM)
 _RUNTIMES = ("libgomp", "libiomp5", "libomp")
-_lock = threading.Lock()
-_setter: Callable[[int], None] | None = None
-_looked = False
 
 
 def _loaded_runtime() -> str | None:
@@ -50,20 +47,17 @@ def _loaded_runtime() -> str | None:
     return None
 
 
+@functools.cache
 def _omp_set_num_threads() -> Callable[[int], None] | None:
     """``omp_set_num_threads`` of the runtime torch uses, looked up once; None if there is none."""
-    global _setter, _looked
-    with _lock:
-        if not _looked:
-            _looked = True
-            path = _loaded_runtime()
-            if path is not None:
-                try:
-                    # the mapped library: dlopen returns the copy already loaded, torch's own
-                    _setter = ctypes.CDLL(path).omp_set_num_threads
-                except (OSError, AttributeError):
-                    _setter = None
-        return _setter
+    path = _loaded_runtime()
+    if path is None:
+        return None
+    try:
+        # the mapped library: dlopen returns the copy already loaded, torch's own
+        return ctypes.CDLL(path).omp_set_num_threads  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None
 
 
 def limit_this_thread(n: int) -> bool:

@@ -64,6 +64,11 @@ GAPS_MEASURED = "tools.bench.convergence, byte-level Llama, 300 steps, paired wi
 MOMENT_UPDATE_LENGTH: dict[str, tuple[float, float]] = {"q8": (1.0002, 0.02), "q4": (1.1032, 0.02)}
 
 
+def requested_moment_codec(compression: bool | str | None) -> str:
+    """The codec name ``compression`` asks for (True: q8, False/None: raw), not yet checked."""
+    return "q8" if compression is True else (compression or "raw")
+
+
 def moment_codec_name(compression: bool | str | None) -> str:
     """The codec asked for the Adam moments: True means q8, False/None raw; CodecError if unknown.
 
@@ -71,7 +76,7 @@ def moment_codec_name(compression: bool | str | None) -> str:
     length, ``MOMENT_UPDATE_LENGTH``); one that misses either is opt-in: named explicitly it is
     used, with a warning naming what it missed and by how much.
     """
-    name = "q8" if compression is True else (compression or "raw")
+    name = requested_moment_codec(compression)
     tierstore.codecs.get(name)  # raises CodecError naming the registered codecs
     gap, goal = MOMENT_CODEC_GAPS.get(name, (0.0, 1.0))
     length, length_goal = MOMENT_UPDATE_LENGTH.get(name, (1.0, 1.0))

@@ -22,6 +22,7 @@ from trainer import model as model_mod
 from trainer.args import TrainingArguments
 from trainer.checkpoint import STATE_KEY
 from trainer.model import decompose
+from trainer.optimizer import requested_moment_codec
 
 _GIB = 1 << 30
 
@@ -102,8 +103,7 @@ def background_kernel_threads(device: torch.device, compression: bool | str | No
     spins instead of sleeping took their time (a 1B step with q4 moments, 26-29 s before, took
     33-35 s). On a GPU the host's cores are the optimizer's and the codecs' (None).
     """
-    raw = compression is None or compression is False or compression == "raw"
-    return 1 if device.type == "cpu" and raw else None
+    return 1 if device.type == "cpu" and requested_moment_codec(compression) == "raw" else None
 
 
 def compute_device(cfg: TrainingArguments | None = None) -> torch.device:
