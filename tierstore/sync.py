@@ -241,6 +241,23 @@ class Store:
         self._running().run(self._a.put(key, tensor, codec, chunk_rows=chunk_rows,
                                         shard_rows=shard_rows, copy=copy, lazy=lazy))
 
+    def put_many(self, items: Sequence[tuple[str, torch.Tensor]], codec: str | dict[str, Any] | Codec = "raw", *,
+                 copy: bool = True, lazy: bool = False) -> None:
+        """``put(key, tensor, codec, copy=copy, lazy=lazy)`` of each pair in order, in one hop to the loop.
+
+        A layer's gradients at once: each hop wakes the loop thread, which on busy cores runs
+        late and takes a core from the caller's kernels. The puts before a failing one stand.
+        """
+        items = list(items)
+        for key, _ in items:
+            self._refuse_held(key)
+
+        async def _all() -> None:
+            for key, tensor in items:
+                await self._a.put(key, tensor, codec, copy=copy, lazy=lazy)
+
+        self._running().run(_all())
+
     @contextlib.contextmanager
     def update(self, key: str, *, chunked: bool = False) -> Iterator[Any]:
         """Lend ``key``'s value writable; what the block leaves in it becomes the new head.
@@ -261,23 +278,35 @@ class Store:
             self._running().run(self._a.end_update(u))
 
     @contextlib.contextmanager
-    def update_many(self, keys: Sequence[str], *, chunked: bool = False) -> Iterator[list[Any]]:
+    def update_many(self, keys: Sequence[str], *, chunked: bool = False,
+                    then_delete: Sequence[str] = ()) -> Iterator[list[Any]]:
         """``update`` of several keys at once, in one hop to the loop each way: the list of loans.
 
         The keys are lent in sorted order (two callers never wait on each other in a cycle);
-        all of them or, on an error, none.
+        all of them or, on an error, none. ``then_delete``: keys deleted in the hop that ends
+        the updates, once they ended and only if the block raised nothing (a gradient consumed
+        by the update it was lent to).
         """
         keys = list(keys)
-        for key in keys:
+        for key in {*keys, *then_delete}:
             self._refuse_held(key)
         us = self._running().run(self._a.begin_updates(keys, chunked=chunked))
         held = self._held_keys()
         held.update(keys)
+        gone = list(then_delete)
+        ok = False
         try:
             yield [u.value() for u in us]
+            ok = True
         finally:
             held.difference_update(keys)
-            self._running().run(self._a.end_updates(us))
+
+            async def _end() -> None:
+                await self._a.end_updates(us)
+                for key in gone if ok else ():
+                    await self._a.delete(key)
+
+            self._running().run(_end())
 
     def get(self, key: str, device: str | torch.device | None = None, index: Index = None,
             copy: bool = True) -> torch.Tensor:

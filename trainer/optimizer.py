@@ -224,13 +224,14 @@ class StoreAdamW:
         read after the in-place add. Gradients stay in RAM (counted in its budget) and reach
         the disk only if the budget needs their room before the update consumes them.
         """
+        if first:
+            with self.lock:  # one hop to the store's loop for the group
+                self.store.put_many([(GRAD + name, g) for name, g in grads.items()], codec="raw",
+                                    copy=False, lazy=True)
+            return dict(grads)
         out = {}
         for name, g in grads.items():
             with self.lock:
-                if first:
-                    self.store.put(GRAD + name, g, codec="raw", copy=False, lazy=True)
-                    out[name] = g
-                    continue
                 with self.store.update(GRAD + name) as total:
                     total.add_(g)
                 out[name] = self.store.get(GRAD + name)
@@ -314,11 +315,9 @@ class StoreAdamW:
                         self.store.put(EXP_AVG + n, zeros, codec=mc)
                         self.store.put(EXP_AVG_SQ + n, zeros, codec=vc)
                     self._has_moments.add(n)
-                many = getattr(self.store, "update_many", None)
-                if many is not None:  # one hop to the store's loop each way
-                    lent = stack.enter_context(many(keys, chunked=True))
-                else:
-                    lent = [stack.enter_context(self.store.update(k, chunked=True)) for k in keys]
+                # one hop to the store's loop each way; the gradients, consumed, go in the second
+                gone = [GRAD + n for n in names] if from_store else []
+                lent = stack.enter_context(self.store.update_many(keys, chunked=True, then_delete=gone))
             t0 = time.perf_counter()
             by_wd: dict[float, tuple[list[torch.Tensor], ...]] = {}
             for j, n in enumerate(names):
@@ -343,10 +342,6 @@ class StoreAdamW:
             for wd, (ps, gl, ml, vl) in by_wd.items():
                 adamw_update_many_(ps, gl, ml, vl, step, h, wd)
             self.update_s += time.perf_counter() - t0
-        if from_store:
-            with self.lock:
-                for n in names:
-                    self.store.delete(GRAD + n)
 
 
 def _cut(parts: list[torch.Tensor], bounds: list[int]) -> list[torch.Tensor]:

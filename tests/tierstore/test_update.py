@@ -268,6 +268,42 @@ def test_update_many_lends_all_or_none_and_refuses_a_key_twice(tmp_path) -> None
                 pass
 
 
+def test_update_many_then_delete_consumes_keys_only_when_the_block_succeeds(tmp_path) -> None:
+    g = torch.arange(40_000, dtype=torch.float32)  # several chunks
+    with _open(tmp_path / "s") as s:
+        s.put("w", torch.ones(40_000))
+        s.put("grad/w", g.clone(), copy=False, lazy=True)
+        with pytest.raises(RuntimeError, match="boom"):
+            with s.update_many(["w", "grad/w"], chunked=True, then_delete=["grad/w"]) as (w, gw):
+                raise RuntimeError("boom")
+        assert torch.equal(s.get("grad/w"), g)  # a failed block consumes nothing
+        with s.update_many(["w", "grad/w"], chunked=True, then_delete=["grad/w"]) as (w, gw):
+            for wv, gv in zip(w, gw, strict=True):
+                gv.mul_(0.5)
+                wv.sub_(gv)
+        assert "grad/w" not in s
+        assert torch.equal(s.get("w"), torch.ones(40_000) - g * 0.5)
+        s.commit()
+    with tierstore.open(tmp_path / "s", "r") as r:
+        assert r.keys() == ["w"]
+        assert torch.equal(r.get("w"), torch.ones(40_000) - g * 0.5)
+
+
+def test_put_many_equals_puts_in_turn_and_keeps_those_before_a_bad_one(tmp_path) -> None:
+    items = [(f"k{i}", torch.randn(3, 1000 * (i + 1))) for i in range(4)]
+    with _open(tmp_path / "s") as s:
+        s.put_many([(k, t.clone()) for k, t in items], copy=False, lazy=True)
+        for k, t in items:
+            assert torch.equal(s.get(k), t)
+        with pytest.raises(StoreError):
+            s.put_many([("x", torch.ones(2)), ("y", "not a tensor")])  # type: ignore[list-item]
+        assert torch.equal(s.get("x"), torch.ones(2)) and "y" not in s
+        s.commit()
+    with tierstore.open(tmp_path / "s", "r") as r:
+        assert sorted(r.keys()) == ["k0", "k1", "k2", "k3", "x"]
+        assert all(torch.equal(r.get(k), t) for k, t in items)
+
+
 def test_a_commit_waits_for_a_batch_of_updates_that_is_half_lent(tmp_path, monkeypatch) -> None:
     """Found by the model-based fuzz (seed 9400119, a batch of two keys beside a commit): a
     commit took the commit lock, then waited for the in-place loans to end, while a batch held
