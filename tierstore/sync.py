@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import sys
 import threading
@@ -54,13 +55,17 @@ class LoopThread:
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and wait for its result in the calling thread."""
+        return self.submit(coro).result()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the loop without waiting: the future of its result."""
         if threading.current_thread() is self._thread:
             coro.close()
             raise StoreError("a sync Store method was called from its own event loop thread")
         if not self._thread.is_alive() or self.loop.is_closed():
             coro.close()
             raise StoreClosed("the store's event loop has stopped (the store is closed)")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def owns_current_thread(self) -> bool:
         """Whether the calling thread is this loop's thread."""
@@ -242,11 +247,14 @@ class Store:
                                         shard_rows=shard_rows, copy=copy, lazy=lazy))
 
     def put_many(self, items: Sequence[tuple[str, torch.Tensor]], codec: str | dict[str, Any] | Codec = "raw", *,
-                 copy: bool = True, lazy: bool = False) -> None:
+                 copy: bool = True, lazy: bool = False, wait: bool = True) -> concurrent.futures.Future[None] | None:
         """``put(key, tensor, codec, copy=copy, lazy=lazy)`` of each pair in order, in one hop to the loop.
 
         A layer's gradients at once: each hop wakes the loop thread, which on busy cores runs
         late and takes a core from the caller's kernels. The puts before a failing one stand.
+        ``wait=False`` returns at once with the future of the puts (its ``result()`` raises
+        their error); until it is done the tensors must not change, and a call on these keys
+        from another thread may run before the puts.
         """
         items = list(items)
         for key, _ in items:
@@ -256,7 +264,11 @@ class Store:
             for key, tensor in items:
                 await self._a.put(key, tensor, codec, copy=copy, lazy=lazy)
 
-        self._running().run(_all())
+        future = self._running().submit(_all())
+        if not wait:
+            return future
+        future.result()
+        return None
 
     @contextlib.contextmanager
     def update(self, key: str, *, chunked: bool = False) -> Iterator[Any]:

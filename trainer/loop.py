@@ -111,7 +111,8 @@ class TrainLoop:
             kernel_threads=session.background_kernel_threads(session.compute_device(cfg), compression))
         self.engine = tr._engine = StreamingEngine(
             tr.parts, store, session.compute_device(cfg), bf16=cfg.bf16, store_lock=tr._lock,
-            before_fetch=self.worker.wait_group, window_bytes=store.stats().get("device_budget"))
+            before_fetch=self.worker.wait_group, updating=self.worker.updating,
+            window_bytes=store.stats().get("device_budget"))
         self.clip, self.all_params = cfg.clip_norm, tr.parts.all_params()
         # per-step bytes per tier in log_history; a rank's sharded moments have other keys, so
         # data parallel logs the bytes without the budgets' minimum

@@ -16,6 +16,7 @@ would, so overlap never changes the numbers.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import queue
 import threading
@@ -195,6 +196,9 @@ class StoreAdamW:
         #: group -> its weights as backward's loans, held until its update begins (set on the
         #: training thread, taken on the update's; a dict's set and pop are atomic)
         self._kept: dict[int, list[torch.Tensor]] = {}
+        #: gradient puts started and not yet waited for (``accumulate``, ``settle_puts``)
+        self._puts: list[concurrent.futures.Future[None]] = []
+        self._puts_lock = threading.Lock()
 
     def keep_for_update(self, g: int, loans: list[torch.Tensor]) -> None:
         """Hold group ``g``'s weights (backward's read-only loans) until its update begins.
@@ -225,10 +229,19 @@ class StoreAdamW:
         the disk only if the budget needs their room before the update consumes them.
         """
         if first:
-            with self.lock:  # one hop to the store's loop for the group
-                self.store.put_many([(GRAD + name, g) for name, g in grads.items()], codec="raw",
-                                    copy=False, lazy=True)
+            # one hop to the store's loop for the group, not waited for: backward goes on while
+            # the loop takes them in (and, in a full budget, waits for room); every later call
+            # on these keys settles the puts first (``settle_puts``). One group at most is under
+            # way: its gradients are not in the RAM budget until put (the plan counts it as the
+            # optimizer queue's slot, which is empty while gradients go through the store)
+            self.settle_puts()
+            with self.lock:
+                future = self.store.put_many([(GRAD + name, g) for name, g in grads.items()], codec="raw",
+                                             copy=False, lazy=True, wait=False)
+            with self._puts_lock:
+                self._puts.append(future)
             return dict(grads)
+        self.settle_puts()
         out = {}
         for name, g in grads.items():
             with self.lock:
@@ -237,8 +250,22 @@ class StoreAdamW:
                 out[name] = self.store.get(GRAD + name)
         return out
 
+    def settle_puts(self) -> None:
+        """Wait for the gradient puts under way (any thread); raise the first one's error."""
+        with self._puts_lock:
+            puts, self._puts = self._puts, []
+        failure: BaseException | None = None
+        for f in puts:
+            try:
+                f.result()
+            except BaseException as e:  # every put is waited for, the first error raised
+                failure = failure or e
+        if failure is not None:
+            raise failure
+
     def add_accumulated(self, grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The running sums plus this micro-batch's gradients, without writing them back."""
+        self.settle_puts()
         with self.lock:
             return {name: self.store.get(GRAD + name) + g for name, g in grads.items()}
 
@@ -279,6 +306,7 @@ class StoreAdamW:
         a scratch buffer and encoded back at the end of the update.
         """
         start = time.perf_counter()
+        self.settle_puts()  # the gradients it reads are in the store
         self._kept.pop(g, None)  # backward's loans go before the update borrows the weights
         for names in self._batches(g):
             self._update(names, step, h, clip_coef, grads)
@@ -427,6 +455,11 @@ class UpdateWorker:
             self.wait_s += time.perf_counter() - t0
         self._pending[g] = threading.Event()
         self._q.put((g, hold, args))
+
+    def updating(self, g: int) -> bool:
+        """Whether group ``g`` has an update queued or running (never blocks)."""
+        ev = self._pending.get(g)
+        return ev is not None and not ev.is_set()
 
     def wait_group(self, g: int) -> None:
         """Block until group ``g`` has no queued or running update."""

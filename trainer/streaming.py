@@ -100,13 +100,17 @@ class StreamingEngine:
     def __init__(self, parts: ModelParts, store: Any, device: torch.device, bf16: bool = False,
                  store_lock: contextlib.AbstractContextManager[Any] | None = None,
                  before_fetch: Callable[[int], None] | None = None, window_bytes: int | None = None,
-                 drain: GradDrain | None = None, lend: bool | None = None) -> None:
+                 drain: GradDrain | None = None, lend: bool | None = None,
+                 updating: Callable[[int], bool] | None = None) -> None:
         self.parts = parts
         self.store = store
         self.device = device
         self.bf16 = bf16
         self.lock = store_lock or contextlib.nullcontext()
         self.before_fetch = before_fetch
+        #: whether a group's update is under way: its weights are not read ahead then (the
+        #: update leaves them in RAM itself), and the fetch before it does not wait for it
+        self.updating = updating
         self.groups = parts.groups()
         # What each piece reads: its own group, plus the tied embedding for the head.
         self.reads = [list(names) for _, names in self.groups]
@@ -139,6 +143,8 @@ class StreamingEngine:
     def _hint(self, g: int, current: int) -> tuple[list[str], str] | None:
         """The prefetch of group ``g`` while group ``current`` is held: to the device when both fit the window."""
         if not 0 <= g < len(self.groups):
+            return None
+        if self.updating is not None and self.updating(g):
             return None
         if self.before_fetch is not None:
             self.before_fetch(g)  # never prefetch weights an update has yet to write

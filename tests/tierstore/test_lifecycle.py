@@ -105,7 +105,7 @@ def test_close_on_the_stores_own_loop_thread_is_refused_and_harmless(tmp_path) -
 
 #: arguments that would be valid for an open store, per public method of the facade
 _CALLS = {
-    "put": ("a", torch.ones(3)), "get": ("a",), "get_many": (["a"],), "prefetch": (["a"],),
+    "put": ("a", torch.ones(3)), "put_many": ([("a", torch.ones(3))],), "get": ("a",), "get_many": (["a"],), "prefetch": (["a"],),
     "window_empty": ((2,), torch.float32), "staging_pool": (1024, 1), "mark_step": (),
     "info": ("a",), "keys": (), "delete": ("a",), "commit": (), "versions": (), "stats": (),
     "zarr_path": ("a",), "verify": (), "chrome_trace": (), "trace_span": ("x", "y", 0.0, 1.0),

@@ -304,6 +304,18 @@ def test_put_many_equals_puts_in_turn_and_keeps_those_before_a_bad_one(tmp_path)
         assert all(torch.equal(r.get(k), t) for k, t in items)
 
 
+def test_put_many_without_waiting_hands_back_a_future_with_the_puts_outcome(tmp_path) -> None:
+    with _open(tmp_path / "s") as s:
+        done = s.put_many([("a", torch.ones(3)), ("b", torch.zeros(5))], wait=False)
+        assert done is not None and done.result(timeout=30) is None
+        assert torch.equal(s.get("a"), torch.ones(3)) and torch.equal(s.get("b"), torch.zeros(5))
+        failed = s.put_many([("c", torch.ones(2)), ("d", "not a tensor")], wait=False)  # type: ignore[list-item]
+        with pytest.raises(StoreError, match="torch.Tensor"):
+            failed.result(timeout=30)
+        assert "c" in s and "d" not in s
+        assert s.put_many([("e", torch.ones(1))]) is None  # waited for: nothing to hand back
+
+
 def test_a_commit_waits_for_a_batch_of_updates_that_is_half_lent(tmp_path, monkeypatch) -> None:
     """Found by the model-based fuzz (seed 9400119, a batch of two keys beside a commit): a
     commit took the commit lock, then waited for the in-place loans to end, while a batch held

@@ -125,8 +125,10 @@ def test_update_worker_bounds_the_gradients_it_holds() -> None:
         gate.wait(10)
 
     w = UpdateWorker(run, max_queued=1)
+    assert not w.updating(0)
     w.submit(0, "g0", hold=True)   # runs (blocks on the gate)
     running.wait(10)
+    assert w.updating(0) and not w.updating(1)
     w.submit(1, "g1", hold=True)   # queued: the one slot
     blocked = threading.Thread(target=w.submit, args=(2, "g2"), kwargs={"hold": True})
     blocked.start()
@@ -137,8 +139,46 @@ def test_update_worker_bounds_the_gradients_it_holds() -> None:
     blocked.join(10)
     assert not blocked.is_alive()
     w.wait_all()
+    assert not any(w.updating(g) for g in range(4))
     w.close()
     assert w.wait_s > 0
+
+
+def test_the_engine_reads_ahead_no_group_under_update_and_does_not_wait_for_it() -> None:
+    import types
+
+    from trainer.streaming import StreamingEngine
+
+    waited: list[int] = []
+    eng = types.SimpleNamespace(groups=[0, 1, 2], updating=lambda g: g == 2, before_fetch=waited.append,
+                                read_bytes=[1, 1, 1], reads=[["a"], ["b"], ["c"]], window_bytes=None, lend=True)
+    assert StreamingEngine._hint(eng, 2, 1) is None  # type: ignore[arg-type]
+    assert waited == []
+    assert StreamingEngine._hint(eng, 0, 1) == (["a"], "host")  # type: ignore[arg-type]
+    assert waited == [0]  # its update is done: checked for an error, nothing to wait for
+
+
+def test_gradient_puts_under_way_are_settled_before_the_store_is_read_and_raise_their_error(tmp_path) -> None:
+    import contextlib
+
+    import torch
+
+    import tierstore
+    from trainer.optimizer import GRAD, StoreAdamW
+
+    with tierstore.open(tmp_path / "s", "w", ram_budget="8MiB", device="cpu", device_budget=None) as s:
+        s.put("w", torch.zeros(4))
+        opt = StoreAdamW(s, [["w"]], set(), False, contextlib.nullcontext())
+        g = torch.ones(4)
+        opt.accumulate({"w": g}, first=True)
+        assert torch.equal(opt.add_accumulated({"w": g})["w"], torch.full((4,), 2.0))  # the put landed first
+        opt.accumulate({"w": g}, first=True)
+        opt.accumulate({"w": g}, first=False)
+        assert torch.equal(s.get(GRAD + "w"), torch.full((4,), 2.0))
+        opt.accumulate({"bad//name": g}, first=True)  # refused on the store's loop, later
+        with pytest.raises(tierstore.StoreError):
+            opt.settle_puts()
+        opt.settle_puts()  # reported once
 
 
 def test_update_worker_runs_its_kernels_on_the_threads_it_is_given() -> None:
