@@ -45,6 +45,7 @@ class Counters:
     updates_reused: int = 0  # of those, lent in the generation an earlier update made (no new one)
     bytes_copied_on_write: int = 0  # chunk bytes an update copied because a reader held them
     folders_recycled: int = 0  # generation folders renamed for a new generation, not remade
+    crcs_ahead: int = 0  # crc32cs of hot chunks changed in place, taken after the update ended
 
 
 class Tracer:

@@ -617,6 +617,7 @@ class AsyncStore(ReadPath):
             "host_fresh_buffers": self._host.fresh_buffers, "lent": c.lent, "bytes_lent": c.bytes_lent,
             "host_lent_bytes": self._host.lent_bytes(), "updates": c.updates,
             "updates_reused": c.updates_reused, "bytes_copied_on_write": c.bytes_copied_on_write, "folders_recycled": c.folders_recycled,
+            "crcs_ahead": c.crcs_ahead,
             "mapped_gathers": self._mapped.served, "mapped_declined": self._mapped.declined,
             "predictor_dropped_reads": self._predictor.dropped, "trace_dropped_events": self.tracer.dropped,
             "scratch_bytes": self._scratch.in_use, "scratch_kept_bytes": self._scratch.kept_bytes,

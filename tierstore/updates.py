@@ -258,7 +258,42 @@ def end_now(store: AsyncStore, u: Update) -> bool:
     finally:
         u.parts = []
         store._borrows.release(u.key)
+    crc_ahead(store, u.new)
     return True
+
+
+def crc_ahead(store: AsyncStore, rec: GenRecord) -> None:
+    """Start taking the crc32c of ``rec``'s chunks (just changed in place) if its key is hot.
+
+    A hot key (weights: read in forward and backward, then updated) is lent by ``get(copy=False)``
+    soon after its update, and its first loan takes the crc a write through it is checked
+    against: taken then, on the reader's path (a training step's forward waited about 3 ms a
+    layer for it). Taken here instead, on the cpu pool while nobody waits; the first crc taken
+    of a chunk wins, as before. It is kept only if the bytes stood still meanwhile: the same
+    entry, not lent writable now, and not lent writable again since (``HostEntry.rewrites``):
+    an update that lends the same generation again (``lend_again``) drops the crcs taken.
+    """
+    plan = store._plan
+    if plan is None or rec.key not in plan.hot or store._closing:
+        return
+    if all(crc != CRC_PENDING for _, crc in rec.chunks):
+        return
+    store._spawn(_take_crcs(store, rec))
+
+
+async def _take_crcs(store: AsyncStore, rec: GenRecord) -> None:
+    """``crc_ahead``'s task: each pending chunk's crc32c into ``store._late_crcs``, if still good."""
+    host, late = store._host, store._late_crcs
+    for i, (_, crc) in enumerate(rec.chunks):
+        cid = (rec.generation, i)
+        e = host.entry(cid)
+        if crc != CRC_PENDING or e is None or e.updating or cid in late:
+            continue
+        seen = e.rewrites
+        taken = await store._run_cpu(e.data.numel(), checksum, [e.data.numpy()])
+        if host.entry(cid) is e and not e.updating and e.rewrites == seen and cid not in late:
+            late[cid] = taken
+            store.stats_counters.crcs_ahead += 1
 
 
 async def end_update(store: AsyncStore, u: Update) -> None:

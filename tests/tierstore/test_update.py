@@ -415,6 +415,55 @@ def test_an_update_refuses_a_chunk_written_through_a_loan_and_no_commit_holds_it
         assert torch.equal(s.get("k"), four + 1)
 
 
+def _wait_for(s, what, n, timeout=30.0):
+    end = time.monotonic() + timeout
+    while s.stats()[what] < n:
+        assert time.monotonic() < end, f"{what} stayed at {s.stats()[what]}, expected {n}"
+        time.sleep(0.01)
+
+
+def test_a_hot_key_changed_in_place_gets_its_crc_taken_ahead_and_a_write_into_a_loan_is_still_caught(tmp_path) -> None:
+    ref = torch.randn(16384)  # one chunk: lent, not copied
+    with _open(tmp_path / "s") as s:
+        s.put("w", ref.clone())
+        s.put("m", torch.zeros(3 * 16384))
+        s.plan(["w", "m"], hot=["w"])
+        _bump(s, "m")  # not hot: nothing taken ahead
+        _bump(s, "w")
+        _wait_for(s, "crcs_ahead", 1)
+        assert s.stats()["crcs_ahead"] == 1
+        loan = s.get("w", device="cpu", copy=False)
+        assert torch.equal(loan, ref + 1)
+        loan[5] = 99.0  # forbidden: a loan is read-only
+        del loan
+        with pytest.raises(LoanWritten, match="'w'"):
+            s.commit()
+        s.put("w", ref.clone())
+        s.commit()
+    with _open(tmp_path / "s") as s:
+        assert torch.equal(s.get("w"), ref)
+
+
+def test_updates_of_a_hot_key_in_a_row_never_keep_a_crc_of_bytes_changed_since(tmp_path) -> None:
+    # each update may lend the generation the last one made again (bytes never written or read
+    # since) while the crc of the last one's bytes is being taken: that crc must not stay
+    ref = torch.randn(1 << 20)  # one 4 MiB chunk: its crc is taken on the cpu pool, not inline
+    opts = {"budget": "64MiB", "chunk_bytes": 4 << 20}
+    with tierstore.open(tmp_path / "s", "a", ram_budget=opts["budget"], chunk_bytes=opts["chunk_bytes"],
+                        device="cpu", device_budget=None) as s:
+        s.put("w", ref.clone())
+        s.plan(["w"], hot=["w"])
+        for step in range(200):
+            _bump(s, "w", by=0.5)
+            ref += 0.5
+            if step % 7 == 0:
+                assert torch.equal(s.get("w", device="cpu", copy=False), ref)
+        s.commit()  # every chunk written and checked against the crc it holds
+        assert s.stats()["crcs_ahead"] > 0
+    with tierstore.open(tmp_path / "s", "r") as s:
+        assert torch.equal(s.get("w"), ref)
+
+
 def _bump(s, key, by=1.0):
     with s.update(key, chunked=True) as parts:
         for p in parts:

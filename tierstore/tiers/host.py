@@ -62,6 +62,9 @@ class HostEntry:
     #: landed from the disk and not used since (a read ahead, or a read whose reader has yet
     #: to take it): evicted only after the other clean chunks (``_evict_one``)
     fresh: bool = False
+    #: times the buffer was lent writable under its id: a crc32c taken while it stood still
+    #: is good only if this has not moved since (``tierstore.updates.crc_ahead``)
+    rewrites: int = 0
 
     def borrowed(self) -> bool:
         """Whether a tensor lent from this buffer is still alive somewhere (any thread)."""
@@ -240,6 +243,7 @@ class HostTier:
         e.dirty = True
         e.updating = True
         e.fresh = False
+        e.rewrites += 1
         self._entries[new] = e
         return e.data
 
@@ -276,6 +280,7 @@ class HostTier:
         assert e.dirty and not e.borrowed() and not e.updating
         e.root = None  # a later loan gets a root of its own
         e.updating = True
+        e.rewrites += 1
         self._entries.move_to_end(cid)
         return e.data
 
@@ -283,6 +288,10 @@ class HostTier:
         """Insert a copied-on-write buffer (from ``alloc``) as a dirty chunk lent writable."""
         self.insert(cid, data, dirty=True)
         self._entries[cid].updating = True
+
+    def entry(self, cid: ChunkId) -> HostEntry | None:
+        """The chunk's entry if held, without marking it used."""
+        return self._entries.get(cid)
 
     def end_update(self, cid: ChunkId) -> None:
         """The writable loan of ``cid`` ended: it may now be written back (and then evicted)."""
