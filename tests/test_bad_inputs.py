@@ -53,6 +53,7 @@ API = [
     ("budget < chunk", lambda t, s: _open(t, ram_budget=1000)(), tierstore.BudgetError, "smaller than one chunk"),
     ("keep_last 0", lambda t, s: _open(t, keep_last=0)(), tierstore.StoreError, "keep_last"),
     ("io_threads 0", lambda t, s: _open(t, io_threads=0)(), tierstore.StoreError, "io_threads"),
+    ("inline_bytes -1", lambda t, s: _open(t, inline_bytes=-1)(), tierstore.StoreError, "inline_bytes must be an int >= 0"),
     ("version on a writer", lambda t, s: _open(t, version=1)(), tierstore.StoreError, "read-only"),
     ("no store", lambda t, s: _open(t, mode="r")(), tierstore.StoreNotFound, "no tierstore"),
     ("second writer", lambda t, s: tierstore.open(t / "s"), tierstore.StoreLocked, "LOCK is held"),

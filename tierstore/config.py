@@ -93,6 +93,9 @@ class StoreConfig:
     #: caller computes on the same cores: a second OpenMP team makes the caller's team sleep
     #: between its kernels (``tierstore.kernel_threads``)
     kernel_threads: int | None = None
+    #: chunks smaller than this are coded and checksummed on the loop thread itself (a hop to
+    #: the cpu pool costs more); 0 sends every one to the pool
+    inline_bytes: int = 1 << 20
     #: spans of the I/O trace kept (``Store.chrome_trace``): the first ones, about 450 B each;
     #: 0 turns tracing off
     trace_events: int = DEFAULT_TRACE_EVENTS
@@ -122,6 +125,8 @@ class StoreConfig:
             raise StoreError("prefetch_ahead must be >= 0")
         if isinstance(self.trace_events, bool) or not isinstance(self.trace_events, int) or self.trace_events < 0:
             raise StoreError(f"trace_events must be an int >= 0 (0: no trace), got {self.trace_events!r}")
+        if isinstance(self.inline_bytes, bool) or not isinstance(self.inline_bytes, int) or self.inline_bytes < 0:
+            raise StoreError(f"inline_bytes must be an int >= 0, got {self.inline_bytes!r}")
         if self.kernel_threads is not None and (isinstance(self.kernel_threads, bool) or not isinstance(
                 self.kernel_threads, int) or self.kernel_threads < 1):
             raise StoreError(f"kernel_threads must be None or an int >= 1, got {self.kernel_threads!r}")

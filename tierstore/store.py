@@ -93,7 +93,6 @@ from tierstore.writes import (
 )
 
 T = TypeVar("T")
-_INLINE_BYTES = 1 << 20  # smaller chunks are coded on the loop thread: a thread hop costs more
 
 
 class AsyncStore(ReadPath):
@@ -272,7 +271,7 @@ class AsyncStore(ReadPath):
         return await asyncio.get_running_loop().run_in_executor(self._deleter, fn, *args)
 
     async def _run_cpu(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
-        if nbytes < _INLINE_BYTES:
+        if nbytes < self.config.inline_bytes:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
 

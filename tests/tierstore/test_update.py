@@ -447,10 +447,8 @@ def test_a_hot_key_changed_in_place_gets_its_crc_taken_ahead_and_a_write_into_a_
 def test_updates_of_a_hot_key_in_a_row_never_keep_a_crc_of_bytes_changed_since(tmp_path) -> None:
     # each update may lend the generation the last one made again (bytes never written or read
     # since) while the crc of the last one's bytes is being taken: that crc must not stay
-    ref = torch.randn(1 << 20)  # one 4 MiB chunk: its crc is taken on the cpu pool, not inline
-    opts = {"budget": "64MiB", "chunk_bytes": 4 << 20}
-    with tierstore.open(tmp_path / "s", "a", ram_budget=opts["budget"], chunk_bytes=opts["chunk_bytes"],
-                        device="cpu", device_budget=None) as s:
+    ref = torch.randn(16384)
+    with _open(tmp_path / "s", inline_bytes=0) as s:  # every crc taken on the cpu pool, not inline
         s.put("w", ref.clone())
         s.plan(["w"], hot=["w"])
         for step in range(200):
@@ -460,7 +458,7 @@ def test_updates_of_a_hot_key_in_a_row_never_keep_a_crc_of_bytes_changed_since(t
                 assert torch.equal(s.get("w", device="cpu", copy=False), ref)
         s.commit()  # every chunk written and checked against the crc it holds
         assert s.stats()["crcs_ahead"] > 0
-    with tierstore.open(tmp_path / "s", "r") as s:
+    with _open(tmp_path / "s") as s:
         assert torch.equal(s.get("w"), ref)
 
 

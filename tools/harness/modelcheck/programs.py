@@ -368,6 +368,8 @@ def generate(seed: int, features: tuple[str, ...] | None = None, max_phases: int
         config["ram_budget"] = 4 * max(chunk, 64)
     if seed % 3 == 2:  # from the seed, not the generator: other seeds keep the programs they gave
         config["kernel_threads"] = 1  # the store's threads run their kernels on one thread
+    if seed % 4 == 1:  # every crc and codec call awaits the cpu pool, as large chunks do
+        config["inline_bytes"] = 0
     return Program(seed, tuple(sorted(feats)), actors, config, tuple(phases))
 
 
