@@ -301,3 +301,34 @@ def test_layer_chunk_bytes(largest: int, budget: object, chunk: int | None) -> N
     from trainer import memory
 
     assert memory.layer_chunk_bytes(largest, budget) == chunk  # type: ignore[arg-type]
+
+
+def test_update_batches_pack_parameters_up_to_a_sixteenth_of_the_budget_once_the_state_spills() -> None:
+    import contextlib
+    import types
+
+    from trainer.optimizer import StoreAdamW
+
+    sizes = {"norm": 4, "q": 100, "k": 100, "mlp": 2000, "bias": 4}  # state: 3 x 2208 = 6624 B
+    asked: list[str] = []
+
+    class FakeStore:
+        def __init__(self, budget: int | None) -> None:
+            self.config = types.SimpleNamespace(ram_budget=budget)
+
+        def info(self, n: str) -> object:
+            asked.append(n)
+            return types.SimpleNamespace(nbytes=sizes[n], stored_nbytes=sizes[n])
+
+    groups = [["norm", "q", "k", "mlp", "bias"]]
+    names = groups[0]
+    for budget, batches in ((None, [names]), (16 * 900, [names]),  # the state fits half the budget
+                            # it spills: at most 1/16 of the budget of fp32 weight, moments and
+                            # gradient (4 x the weight) a batch; a larger parameter alone
+                            (16 * 800, [["norm", "q"], ["k"], ["mlp"], ["bias"]]),
+                            (16 * 110, [["norm"], ["q"], ["k"], ["mlp"], ["bias"]])):
+        opt = StoreAdamW(FakeStore(budget), groups, set(), False, contextlib.nullcontext())
+        assert opt._batches(0) == batches, budget
+        asked.clear()
+        assert opt._batches(0) == batches
+        assert asked == []  # worked out once
