@@ -687,3 +687,14 @@ def test_a_commit_cancelled_while_it_writes_owed_metadata_leaves_it_owed_and_no_
     with _open(tmp_path / "s") as s:
         for k, t in refs.items():
             assert torch.equal(s.get(k), t)
+
+
+def test_no_crc_is_taken_ahead_for_a_hot_key_a_get_would_copy(tmp_path) -> None:
+    with _open(tmp_path / "s") as s:
+        s.put("w", torch.zeros(3 * 16384))  # three chunks: get(copy=False) copies it
+        s.plan(["w"], hot=["w"])
+        for _ in range(3):
+            _bump(s, "w")
+        s.get("w", device="cpu", copy=False)
+        assert s.stats()["crcs_ahead"] == 0
+        assert torch.equal(s.get("w"), torch.full((3 * 16384,), 3.0))
