@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from tierstore.checksums import checksum
+from tierstore.codecs.base import Codec
 from tierstore.chunks import decode_into, pieces_by_chunk
 from tierstore.config import StoreConfig
 from tierstore.errors import BudgetError, InvalidIndex, StoreError
@@ -121,6 +122,13 @@ class ReadPath:
         self.tracer.span("get", "store", t0, time.perf_counter(), key=key)
         return out
 
+    def lendable(self, rec: GenRecord, codec: Codec | None = None) -> bool:
+        """Whether ``get(copy=False)`` lends ``rec``'s RAM-tier buffer rather than copying it:
+        raw, unsharded, one chunk, in a store whose device is the CPU and whose RAM tier is not pinned."""
+        codec = rec.codec_obj if codec is None else codec
+        return (codec.raw_layout and not rec.shard and rec.grid.n_chunks == 1
+                and self._window.device.type == "cpu" and not self._host.pin)
+
     async def _lend(self, rec: GenRecord) -> torch.Tensor | None:
         """The tensor as a loan of its RAM-tier buffer (``get(copy=False)``); None where it cannot be lent.
 
@@ -129,8 +137,7 @@ class ReadPath:
         the RAM tier then sees as given back.
         """
         codec = rec.codec_obj  # built from its spec at each use: once here (a loan costs ~15 us)
-        if not (codec.raw_layout and not rec.shard and rec.grid.n_chunks == 1
-                and self._window.device.type == "cpu" and not self._host.pin):
+        if not self.lendable(rec, codec):
             return None
         dtype = codec.decoded_dtype(rec.torch_dtype)
         shape = rec.shape

@@ -276,10 +276,10 @@ def crc_ahead(store: AsyncStore, rec: GenRecord) -> None:
     plan = store._plan
     if plan is None or rec.key not in plan.hot or store._closing:
         return
-    # only what a get(copy=False) can lend (``ReadPath._lend``; an in-place update's value is
-    # raw and unsharded): a value that is copied, or goes to a GPU, needs its crc only once
-    # written, and a commit every N steps writes it once where this would take it every step
-    if rec.grid.n_chunks != 1 or store._window.device.type != "cpu" or store._host.pin:
+    # only what a get(copy=False) can lend: a value that is copied, or goes to a GPU, needs its
+    # crc only once written, and a commit every N steps writes it once where this would take it
+    # every step
+    if not store.lendable(rec):
         return
     if all(crc != CRC_PENDING for _, crc in rec.chunks):
         return

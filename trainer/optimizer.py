@@ -178,10 +178,8 @@ class StoreAdamW:
         self.update_s = 0.0
         """Seconds of AdamW arithmetic."""
         self._clip_scratch: torch.Tensor | None = None
-        #: bytes of state one update batch may lend at once (None: the whole group; see ``_batches``)
-        self._batch_cap: int | None = None
-        self._batch_cap_known = False
-        self._batch_plan: dict[int, list[list[str]]] = {}
+        #: each group's parameters in the batches lent at once (``_batches``), worked out once
+        self._batch_plan: list[list[list[str]]] = []
         #: parameters whose moments this optimizer put or found: asked of the store once, not
         #: every step (each question is a hop to the store's loop thread)
         self._has_moments: set[str] = set()
@@ -292,33 +290,29 @@ class StoreAdamW:
         streams); else consecutive parameters whose weights, moments and gradients (fp32) add
         up to at most 1/16 of the budget, one parameter alone when it is larger: a group lent
         whole would crowd out the weights the next pass streams, and one parameter a batch took
-        9 hops a layer of a Llama where 4 or 5 do. Worked out once a group.
+        9 hops a layer of a Llama where 4 or 5 do. Worked out once, for every group.
         """
-        known = self._batch_plan.get(g)
-        if known is not None:
-            return known
-        names = self.groups[g]
-        if not self._batch_cap_known:
-            cfg = getattr(self.store, "config", None)
-            budget = getattr(cfg, "ram_budget", None)
-            state = 0 if budget is None else sum(
-                3 * int(self.store.info(n).nbytes) for group in self.groups for n in group)
-            self._batch_cap = None if budget is None or state <= budget // 2 else budget // 16
-            self._batch_cap_known = True
-        out: list[list[str]] = []
-        if self._batch_cap is None:
-            out.append(list(names))
-        else:
-            used = self._batch_cap  # the first parameter opens a batch
-            for n in names:
-                size = 4 * int(self.store.info(n).nbytes)  # weight, both moments, gradient
-                if used + size > self._batch_cap:
-                    out.append([])
-                    used = 0
-                out[-1].append(n)
-                used += size
-        self._batch_plan[g] = out
-        return out
+        if not self._batch_plan:
+            budget = getattr(getattr(self.store, "config", None), "ram_budget", None)
+            nbytes = {} if budget is None else {
+                n: int(self.store.info(n).nbytes) for group in self.groups for n in group}
+            # the state (weights and both moments) fits half the budget: whole groups
+            cap = None if budget is None or 3 * sum(nbytes.values()) <= budget // 2 else budget // 16
+            for names in self.groups:
+                if cap is None:
+                    self._batch_plan.append([list(names)])
+                    continue
+                batches: list[list[str]] = []
+                used = cap  # the first parameter opens a batch
+                for n in names:
+                    size = 4 * nbytes[n]  # weight, both moments, gradient
+                    if used + size > cap:
+                        batches.append([])
+                        used = 0
+                    batches[-1].append(n)
+                    used += size
+                self._batch_plan.append(batches)
+        return self._batch_plan[g]
 
     def update_group(self, g: int, step: int, h: AdamWHyper, clip_coef: float | None,
                      grads: dict[str, torch.Tensor] | None = None) -> None:
