@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from tierstore.checksums import checksum
-from tierstore.codecs.base import Codec
 from tierstore.chunks import decode_into, pieces_by_chunk
+from tierstore.codecs.base import Codec
 from tierstore.config import StoreConfig
 from tierstore.errors import BudgetError, InvalidIndex, StoreError
 from tierstore.leases import PinTable
@@ -103,7 +103,7 @@ class ReadPath:
         lend = not copy and target is not None and target.type == "cpu" and index is None
         if upcoming:
             # a borrower reads from the RAM tier: warm that, not the window
-            self._prefetch_keys(upcoming, "host" if lend or target is None else "device")
+            self._prefetch_keys(upcoming, "host" if lend or target is None else "device", hint=True)
         t0 = time.perf_counter()
         self._pins.pin(rec.generation)
         try:
@@ -487,7 +487,9 @@ class ReadPath:
             loads.add_done_callback(mark_retrieved)  # nobody may await it once this wait is cancelled
             await asyncio.shield(loads)
 
-    def _prefetch_keys(self, keys: list[str], to: str) -> list[asyncio.Task[Any]]:
+    def _prefetch_keys(self, keys: list[str], to: str, hint: bool = False) -> list[asyncio.Task[Any]]:
+        """Start loading ``keys``; the tasks to await. ``hint``: nobody awaits them, so a key
+        already held or on its way to the RAM tier gets no task."""
         tasks: list[asyncio.Task[Any]] = []
         for k in keys:
             rec = self._head.get(k)
@@ -504,9 +506,16 @@ class ReadPath:
                 self._device_loads[gen] = task
                 task.add_done_callback(lambda _t, g=gen: self._device_loads.pop(g, None))
             else:
+                if hint and self._host_loaded(rec):
+                    continue  # a task that would find every chunk held or on its way
                 task = self._spawn(self._prefetch_host(rec))
             tasks.append(task)
         return tasks
+
+    def _host_loaded(self, rec: GenRecord) -> bool:
+        """Whether every chunk of ``rec`` is in the RAM tier or being read into it."""
+        g, host, reads = rec.generation, self._host, self._reads
+        return all(host.holds((g, i)) or (g, i) in reads for i in range(rec.grid.n_chunks))
 
     async def _prefetch_host(self, rec: GenRecord) -> None:
         if self._borrows.updating(rec.key):

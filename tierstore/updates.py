@@ -362,7 +362,7 @@ def plan_ahead(store: AsyncStore) -> None:
         if seen >= ahead:
             break
     if want:
-        store._prefetch_keys(want, "host")
+        store._prefetch_keys(want, "host", hint=True)
 
 
 def in_place_ok(store: AsyncStore, rec: GenRecord) -> bool:

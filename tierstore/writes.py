@@ -14,7 +14,9 @@ a commit (``drain_writes``) to write it; a chunk changed in place gets its crc32
 written or first lent (``CRC_PENDING``, ``store._late_crcs``). A generation written for room
 alone has no ``zarr.json`` until a commit publishes it (``store._meta_owed``,
 ``write_owed_meta``): most such state is superseded a step later, and its metadata would be a
-file written, and written over, for nobody.
+file written, and written over, for nobody. A one-chunk generation written back for room
+(most of a training step's state) goes to disk in one io job: folder, crc32c and file
+(``write_back_one``).
 
 Every chunk write checks the crc32c of the bytes it wrote against the one taken when they were
 stored (``write_file``'s ``checks``): a write into a tensor lent by ``get(copy=False)`` (or
@@ -54,7 +56,7 @@ from tierstore.shards import (
     shard_members,
     sharded_zarr_metadata,
 )
-from tierstore.tiers.disk import IOV_MAX, checksum, crc_trailer
+from tierstore.tiers.disk import IOV_MAX, DiskTier, SyncLedger, checksum, crc_trailer
 from tierstore.tiers.host import HostTier
 
 if TYPE_CHECKING:
@@ -102,11 +104,101 @@ def start_write_back(store: AsyncStore) -> bool:
 
 async def write_dirty(store: AsyncStore, rec: GenRecord, meta: bool = True) -> None:
     """Write every dirty chunk of ``rec`` (with its folders; ``meta``: and its zarr.json); raise the first failure."""
+    if not meta and await write_back_one(store, rec):
+        return
     # made room for, not made durable: a commit syncs what is still the head by then, and
     # state superseded first (most of a training step's) is deleted before any device write
     failures = await settle([store._spawn(c) for c in await rewrite(store, rec, sync=False, meta=meta)])
     if failures:
         raise failures[0]
+
+
+@dataclasses.dataclass(slots=True)
+class _WriteBack:
+    """What ``_write_back_job`` did, for the loop thread to record."""
+
+    recycled: bool = False  # the retired folder was renamed to this generation's
+    spare_failed: bool = False  # its rename failed: the retired folder is to be deleted
+    folders: bool = False  # the generation's folders exist
+    crc: int = 0  # the crc32c written after the payload
+    error: Exception | None = None
+
+
+def _write_back_job(disk: DiskTier, key: str, gen: int, grid: ChunkGrid, spare: int | None,
+                    ledger: SyncLedger, path: str, data: Any, crc: int | None) -> _WriteBack:
+    """The folder, the crc32c (None: taken here) and the file of a one-chunk generation (io thread).
+
+    A failure is returned, not raised: the folders made before it must still be recorded.
+    """
+    out = _WriteBack()
+    try:
+        if spare is not None:
+            try:
+                disk.adopt_folder(key, spare, gen, grid, ledger)
+                out.recycled = True
+            except DiskError:
+                out.spare_failed = True
+        if not out.recycled:
+            disk.make_dirs(key, gen, grid, range(grid.n_chunks), ledger)
+        out.folders = True
+        out.crc = checksum([data]) if crc is None else crc
+        disk.write_at(path, None, [data, crc_trailer(out.crc)], False, overwrite=out.recycled)
+    except Exception as e:  # noqa: BLE001 - handed to the loop thread, which raises it
+        out.error = e
+    return out
+
+
+async def write_back_one(store: AsyncStore, rec: GenRecord) -> bool:
+    """``write_dirty(meta=False)`` of a dirty one-chunk generation in one io hop; False if ``rec``
+    is not such a generation (then nothing was done).
+
+    The general path takes a hop for the folder, one for a pending crc32c and a task and a hop
+    for the file: about four times the loop thread's work of this one, for each of the chunks
+    a training step writes back for room. Same checks: a chunk lent meanwhile is checked after
+    the write (``_check_written``), and a crc a loan took meanwhile must match the one written.
+    """
+    g, key, grid = rec.generation, rec.key, rec.grid
+    cid = (g, 0)
+    payload = store._host.dirty_payload(cid)
+    if rec.shard or grid.n_chunks != 1 or payload is None:
+        return False
+    store._meta_owed.add(g)  # owed to the commit, as ``rewrite(meta=False)``
+    spare: int | None = None
+    if g in store._memory_only:  # no folder yet: a retired one of the key may become its
+        retired = store._spare_folders.get(key)
+        if retired is not None and retired[1] == grid:
+            del store._spare_folders[key]
+            spare = retired[0]
+    store._memory_only.discard(g)  # before: a cancelled job may still make the folder
+    crc: int | None = rec.chunks[0][1]
+    if crc == CRC_PENDING:
+        crc = store._late_crcs.get(cid)
+    path = store._disk.chunk_path(key, g, grid, 0)
+    data = payload.numpy()  # ``payload`` stays referenced: its buffer is not reused meanwhile
+    assert store._write_sem is not None
+    async with store._write_sem:
+        t0 = time.perf_counter()
+        out = await store._run_io(_write_back_job, store._disk, key, g, grid, spare, store._ledger,
+                                  path, data, crc)
+        if out.spare_failed:
+            spawn_retiring(store, store._run_delete(delete_folder, store, key, spare))
+        if out.folders:
+            store._folder_grids[g] = grid
+            store.stats_counters.folders_recycled += out.recycled
+        if out.error is not None:
+            raise out.error
+        if crc is None and store._host.holds(cid):
+            # the first crc taken wins (``rewrite``): one a loan took meanwhile must be this one
+            if store._late_crcs.setdefault(cid, out.crc) != out.crc:
+                raise loan_written(key, 0)
+        if not store._host.untouched(cid):
+            await store._run_io(_check_written, [(key, 0, data, out.crc, cid)])
+    store._ledger.written(path)
+    n = payload.numel() + TRAILER
+    store.stats_counters.bytes_written_disk += n
+    store._host.mark_clean(cid)
+    store.tracer.span("write", "disk", t0, time.perf_counter(), bytes=n)
+    return True
 
 
 async def recycle_folder(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, shard: int) -> bool:
@@ -337,11 +429,16 @@ def _check_written(checks: Sequence[ChunkCheck]) -> None:
     """Each chunk's crc32c again: LoanWritten if its bytes changed since it was stored (io thread)."""
     for key, i, data, crc, _ in checks:
         if checksum([data]) != crc:
-            raise LoanWritten(
-                f"chunk {i} of {key!r} changed after it was stored: a tensor lent by get(copy=False) "
-                f"(or given to put(copy=False)) was written into. The changed bytes are not "
-                f"committed and the last commit is intact; put or delete {key!r} to go on",
-                key=key, chunk=i)
+            raise loan_written(key, i)
+
+
+def loan_written(key: str, i: int) -> LoanWritten:
+    """The error of a chunk whose bytes changed after they were stored."""
+    return LoanWritten(
+        f"chunk {i} of {key!r} changed after it was stored: a tensor lent by get(copy=False) "
+        f"(or given to put(copy=False)) was written into. The changed bytes are not "
+        f"committed and the last commit is intact; put or delete {key!r} to go on",
+        key=key, chunk=i)
 
 
 async def write_file(store: AsyncStore, path: str, parts: list[Any],

@@ -269,3 +269,62 @@ def test_a_fresh_chunk_lent_to_an_update_is_no_longer_fresh() -> None:
     tier.end_update((5, 0))
     tier.mark_clean((5, 0))  # written: an ordinary clean chunk, evicted before a write-back
     assert tier.try_alloc(chunk) is not None and not tier.holds((5, 0)) and tier.holds((1, 0))
+
+
+def test_ranked_evictions_of_one_allocation_take_the_chunks_one_walk_each_would() -> None:
+    """An allocation that evicts several chunks ranks them in one walk; it takes the same
+    chunks, in the same order, as a walk per eviction (``_evict_one``), fresh, dirty, lent
+    and tied ranks included."""
+    import random
+
+    from tierstore.tiers.host import HostTier
+
+    rng = random.Random(7)
+    sizes = [1024, 2048, 4096]
+    for trial in range(40):
+        layout = [(rng.choice(sizes), rng.choice(["clean", "clean", "dirty", "fresh", "lent"]),
+                   float(rng.randrange(6))) for _ in range(30)]
+        tiers = []
+        for batched in (True, False):
+            tier = HostTier(budget=sum(n for n, _, _ in layout))
+            ranks = {(i, 0): r for i, (_, _, r) in enumerate(layout)}
+            tier.rank = ranks.__getitem__
+            if not batched:
+                tier._ranked_victims = lambda above: []  # every eviction walks the tier again
+            loans = []
+            for i, (n, kind, _) in enumerate(layout):
+                buf = tier.try_alloc(n)
+                assert buf is not None
+                tier.insert((i, 0), buf, dirty=kind == "dirty", fresh=kind == "fresh")
+                if kind == "lent":
+                    loans.append(tier.lend((i, 0)))
+            tiers.append((tier, loans))
+        for step in range(12):
+            want, above = rng.choice(sizes) * rng.choice([1, 3, 6]), rng.choice([-1.0, 2.5])
+            got = [t.try_alloc(want, above=above) is not None for t, _ in tiers]
+            held = [sorted(t._entries) for t, _ in tiers]
+            assert got[0] == got[1] and held[0] == held[1], (trial, step)
+            assert list(tiers[0][0]._entries) == list(tiers[1][0]._entries)
+
+
+def test_a_read_ahead_hint_for_chunks_held_or_on_their_way_starts_no_task(tmp_path) -> None:
+    """The predictor's and the plan's hints skip keys already in RAM (a task each would find
+    nothing to do); ``prefetch`` itself still returns a task a caller can wait on."""
+    import asyncio
+
+    with tierstore.open(tmp_path, ram_budget="1MiB", chunk_bytes="16KiB") as s:
+        s.put("held", torch.randn(8192))
+        s.put("gone", torch.randn(8192))
+        s.commit()
+        store = s._a
+
+        async def hints() -> tuple[int, int, int]:
+            store._host.drop_generation(store._head["gone"].generation, store._head["gone"].grid.n_chunks)
+            held = len(store._prefetch_keys(["held"], "host", hint=True))
+            waited = len(store._prefetch_keys(["held"], "host"))
+            tasks = store._prefetch_keys(["gone"], "host", hint=True)
+            await asyncio.gather(*tasks)
+            return held, waited, len(tasks)
+
+        assert s._loop.run(hints()) == (0, 1, 1)
+        assert "host" in s.info("gone").tiers and torch.equal(s.get("gone"), s.get("gone"))

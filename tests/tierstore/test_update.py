@@ -698,3 +698,95 @@ def test_no_crc_is_taken_ahead_for_a_hot_key_a_get_would_copy(tmp_path) -> None:
         s.get("w", device="cpu", copy=False)
         assert s.stats()["crcs_ahead"] == 0
         assert torch.equal(s.get("w"), torch.full((3 * 16384,), 3.0))
+
+
+def _count_write_back_jobs(monkeypatch, before=None) -> list[int]:
+    """Count the one-hop write-backs (``_write_back_job``); ``before`` runs first on the io thread."""
+    from tierstore import writes
+
+    calls: list[int] = []
+    real = writes._write_back_job
+
+    def job(*args):
+        calls.append(args[2])
+        if before is not None:
+            before(*args)
+        return real(*args)
+
+    monkeypatch.setattr(writes, "_write_back_job", job)
+    return calls
+
+
+def test_one_chunk_state_written_back_for_room_goes_in_one_hop_and_reads_back_exactly(tmp_path, monkeypatch) -> None:
+    """Training state of one chunk a key, twice the budget, updated in place in plan order: its
+    write-backs take the one-hop path (folder, crc and file together), recycle folders, and
+    every value, read from RAM or disk, equals a plain tensor's; the commit verifies."""
+    jobs = _count_write_back_jobs(monkeypatch)
+    keys = [f"m{i}" for i in range(8)]
+    ref = {k: torch.randn(16384) for k in keys}  # 64 KiB each, 512 KiB in a 256 KiB budget
+    with _open(tmp_path / "s", budget="256KiB") as s:
+        for k in keys:
+            s.put(k, ref[k].clone())
+        s.commit()
+        s.plan(keys)
+        for step in range(6):
+            for k in keys:
+                with s.update(k) as t:
+                    t.mul_(0.9).add_(step)
+                ref[k].mul_(0.9).add_(step)
+        st = s.stats()
+        assert len(jobs) >= 6 * 4 and st["folders_recycled"] >= 4 * 4
+        for k in keys:
+            assert torch.equal(s.get(k), ref[k]), k
+        s.commit()
+    with tierstore.open(tmp_path / "s", "r") as r:
+        assert r.verify() == []
+        for k in keys:
+            assert torch.equal(r.get(k), ref[k]), k
+
+
+def test_a_one_hop_write_back_refuses_bytes_written_through_a_loan_lent_while_it_ran(tmp_path, monkeypatch) -> None:
+    """A chunk changed in place has no crc yet; the write-back takes it on the io thread. A
+    ``get(copy=False)`` lent meanwhile took its own crc first, then the loan was written into:
+    the two crcs differ, the write-back fails, the chunk stays dirty and the commit refuses it."""
+    started, resume = threading.Event(), threading.Event()
+
+    def hold(*args):
+        started.set()
+        assert resume.wait(20)
+
+    jobs = _count_write_back_jobs(monkeypatch, before=hold)
+    x = torch.arange(16384, dtype=torch.float32)
+
+    async def main() -> None:
+        s = await tierstore.open_async(tmp_path / "s", "w", ram_budget="4MiB", chunk_bytes=CHUNK,
+                                       device="cpu", device_budget=None)
+        try:
+            await s.put("w", x.clone())
+            await s.commit()
+            async with s.update("w") as t:
+                t.mul_(2)  # a new generation, its crc pending
+            from tierstore import writes
+
+            rec = s._head["w"]
+            back = asyncio.get_running_loop().create_task(writes.write_back_one(s, rec))
+            while not started.is_set():
+                await asyncio.sleep(0.001)
+            lent = await s.get("w", device="cpu", copy=False)  # takes the crc of x * 2
+            lent[0] = 123.0  # forbidden: a loan is read-only
+            resume.set()
+            with pytest.raises(LoanWritten, match="'w'"):
+                await back
+            assert jobs == [rec.generation] and s._host.dirty_payload((rec.generation, 0)) is not None
+            del lent
+            with pytest.raises(LoanWritten, match="'w'"):
+                await s.commit()
+            await s.put("w", x * 3)
+            await s.commit()
+        finally:
+            resume.set()
+            await s.close()
+
+    asyncio.run(main())
+    with tierstore.open(tmp_path / "s", "r") as r:
+        assert torch.equal(r.get("w"), x * 3) and r.verify() == []

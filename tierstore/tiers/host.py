@@ -142,12 +142,17 @@ class HostTier:
         """
         if self._held:
             self._reclaim()
+        victims: list[ChunkId] | None = None
         while (spare := self._take_spare(nbytes)) is None:
             if self.budget is None or self.used + nbytes <= self.budget:
                 self.used += nbytes
                 self.peak = max(self.peak, self.used)
                 return self._new_buffer(nbytes)
-            if not (self._free_one_spare() or self._evict_one(above)):
+            if self._free_one_spare():
+                continue
+            if victims is None:
+                victims = self._ranked_victims(above)
+            if not self._evict_next(victims, above):
                 return None
         return spare  # its bytes stay counted: they move to the new owner
 
@@ -155,8 +160,13 @@ class HostTier:
         """Count ``nbytes`` of memory the caller brings (an adopted buffer), evicting as needed."""
         if self._held:
             self._reclaim()
+        victims: list[ChunkId] | None = None
         while self.budget is not None and self.used + nbytes > self.budget:
-            if not (self._free_one_spare() or self._evict_one()):
+            if self._free_one_spare():
+                continue
+            if victims is None:
+                victims = self._ranked_victims(-1.0)
+            if not self._evict_next(victims, -1.0):
                 return False
         self.used += nbytes
         self.peak = max(self.peak, self.used)
@@ -426,6 +436,11 @@ class HostTier:
         else:
             self._spare.setdefault(buf.numel(), []).append(buf)
 
+    def _dirty_last(self, rank: Callable[[ChunkId], float]) -> float:
+        """The highest rank of a dirty chunk that may be written now."""
+        return max((rank(cid) for cid, e in self._entries.items() if e.dirty and not e.updating),
+                   default=-math.inf)
+
     def _reclaim(self) -> bool:
         """Turn held buffers whose borrowers are gone into spares (or give them back); True if any."""
         back: list[HostEntry] = []
@@ -470,6 +485,35 @@ class HostTier:
         """Chunks not yet on disk."""
         return sum(e.dirty for e in self._entries.values())
 
+    def _ranked_victims(self, above: float) -> list[ChunkId]:
+        """The clean chunks ``_evict_one`` would take while no ``fresh`` one is due, the next
+        victim last: one walk for all the evictions of one allocation, not one walk each.
+
+        Empty without a plan (least recently used first: ``_evict_one`` stops at the first)."""
+        rank = self.rank
+        if rank is None:
+            return []
+        ranked = [(r, cid) for cid, e in self._entries.items()
+                  if not (e.dirty or e.fresh or e.updating) and (r := rank(cid)) > above
+                  and not e.borrowed()]
+        # stable: among equal ranks the least recently used goes first, as in ``_evict_one``
+        ranked.sort(key=lambda rc: rc[0], reverse=True)
+        return [cid for _, cid in reversed(ranked)]
+
+    def _evict_next(self, victims: list[ChunkId], above: float) -> bool:
+        """Evict the next of ``victims`` (``_ranked_victims``) still evictable, else ``_evict_one``.
+
+        Nothing else runs on the loop thread meanwhile, so ranks and recency hold still; a
+        borrower on another thread can only let go, and the chunk it frees is ranked by the
+        next allocation's walk."""
+        while victims:
+            cid = victims.pop()
+            e = self._entries.get(cid)
+            if e is not None and not (e.dirty or e.fresh or e.updating or e.borrowed()):
+                self._to_spare(self._entries.pop(cid))
+                return True
+        return self._evict_one(above)
+
     def _evict_one(self, above: float = -1.0) -> bool:
         """Make a clean chunk's buffer a spare: the one needed last (``rank``), else the least
         recently used; only one ranked over ``above``. False if there is none.
@@ -483,13 +527,10 @@ class HostTier:
         rank = self.rank
         victim, best = None, above
         fresh_victim, fresh_best = None, above
-        fresh_bytes, writable_dirty, dirty_last = 0, False, -math.inf
+        fresh_bytes, writable_dirty = 0, False
         for cid, e in self._entries.items():
             if e.dirty:
-                if not e.updating:
-                    writable_dirty = True
-                    if rank is not None:
-                        dirty_last = max(dirty_last, rank(cid))
+                writable_dirty = writable_dirty or not e.updating
                 continue
             if e.fresh:
                 fresh_bytes += e.data.numel()
@@ -510,8 +551,9 @@ class HostTier:
                 victim, best = cid, r
         if victim is None and fresh_victim is not None:
             # a write-back makes room instead where a dirty chunk is needed no sooner
-            waits = (self.keep_fresh and writable_dirty and (rank is None or dirty_last >= fresh_best)
-                     and (self.budget is None or 2 * fresh_bytes <= self.budget))
+            waits = (self.keep_fresh and writable_dirty
+                     and (self.budget is None or 2 * fresh_bytes <= self.budget)
+                     and (rank is None or self._dirty_last(rank) >= fresh_best))
             victim = None if waits else fresh_victim
         if victim is None:
             return False
