@@ -79,7 +79,6 @@ def start_write_back(store: AsyncStore) -> bool:
     while more is written; a call while that much is in flight starts nothing (each waiter
     for room calls this, and a write started for nobody's room is a write too many).
     """
-    heads = {r.generation: r for r in store._head.values()}
     target = max(1, (store._host.budget or 0) // 16)
     # counted from the tasks themselves, not by callbacks: a done task's callback runs a loop
     # turn later, and a waiter between the two would find room neither made nor coming
@@ -87,6 +86,9 @@ def start_write_back(store: AsyncStore) -> bool:
     for t in [t for t in flight if t.done()]:
         del flight[t]
     in_flight = sum(flight.values())
+    if in_flight >= target:
+        return False  # before ranking the dirty chunks: each waiter for room asks
+    heads = {r.generation: r for r in store._head.values()}
     started = False
     for gen, _ in store._host.dirty_lru():
         if in_flight >= target:
