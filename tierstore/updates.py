@@ -356,7 +356,7 @@ def plan_ahead(store: AsyncStore) -> None:
         rec = store._head.get(key)
         if rec is None or key in store._borrows:
             continue
-        if not all(store._host.holds((rec.generation, i)) for i in range(rec.grid.n_chunks)):
+        if not store._host_loaded(rec):
             want.append(key)
         seen += rec.stored_nbytes
         if seen >= ahead:

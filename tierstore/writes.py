@@ -165,12 +165,8 @@ async def write_back_one(store: AsyncStore, rec: GenRecord) -> bool:
     if rec.shard or grid.n_chunks != 1 or payload is None:
         return False
     store._meta_owed.add(g)  # owed to the commit, as ``rewrite(meta=False)``
-    spare: int | None = None
-    if g in store._memory_only:  # no folder yet: a retired one of the key may become its
-        retired = store._spare_folders.get(key)
-        if retired is not None and retired[1] == grid:
-            del store._spare_folders[key]
-            spare = retired[0]
+    # no folder yet: a retired one of the key may become its
+    spare = take_retired_folder(store, key, grid) if g in store._memory_only else None
     store._memory_only.discard(g)  # before: a cancelled job may still make the folder
     crc: int | None = rec.chunks[0][1]
     if crc == CRC_PENDING:
@@ -195,11 +191,7 @@ async def write_back_one(store: AsyncStore, rec: GenRecord) -> bool:
                 raise loan_written(key, 0)
         if not store._host.untouched(cid):
             await store._run_io(_check_written, [(key, 0, data, out.crc, cid)])
-    store._ledger.written(path)
-    n = payload.numel() + TRAILER
-    store.stats_counters.bytes_written_disk += n
-    store._host.mark_clean(cid)
-    store.tracer.span("write", "disk", t0, time.perf_counter(), bytes=n)
+    _written(store, path, payload.numel() + TRAILER, [cid], t0, sync=False)
     return True
 
 
@@ -211,19 +203,27 @@ async def recycle_folder(store: AsyncStore, key: str, gen: int, grid: ChunkGrid,
     The caller writes every file of ``gen`` over the old ones (``write_at(overwrite=True)``),
     so only the grid (the folders it needs) has to match.
     """
-    spare = store._spare_folders.get(key)
-    if spare is None or spare[1] != grid or shard:
+    spare = None if shard else take_retired_folder(store, key, grid)
+    if spare is None:
         return False
-    del store._spare_folders[key]
     store._memory_only.discard(gen)  # before: a cancelled rename may still land
     try:
-        await store._run_io(store._disk.adopt_folder, key, spare[0], gen, grid, store._ledger)
+        await store._run_io(store._disk.adopt_folder, key, spare, gen, grid, store._ledger)
     except DiskError:
-        spawn_retiring(store, store._run_delete(delete_folder, store, key, spare[0]))
+        spawn_retiring(store, store._run_delete(delete_folder, store, key, spare))
         return False
     store._folder_grids[gen] = grid
     store.stats_counters.folders_recycled += 1
     return True
+
+
+def take_retired_folder(store: AsyncStore, key: str, grid: ChunkGrid) -> int | None:
+    """The generation of a retired folder of ``key`` with the same grid, now the caller's; None if none."""
+    spare = store._spare_folders.get(key)
+    if spare is None or spare[1] != grid:
+        return None
+    del store._spare_folders[key]
+    return spare[0]
 
 
 async def folders(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, shard: int) -> bool:
@@ -473,11 +473,18 @@ async def write_file(store: AsyncStore, path: str, parts: list[Any],
         lent = [c for c in checks if not store._host.untouched(c[4])]
         if lent:
             await store._run_io(_check_written, lent)
+    _written(store, path, n, [cid] if isinstance(cid, tuple) else cid or [], t0, sync)
+
+
+def _written(store: AsyncStore, path: str, n: int, cids: Sequence[tuple[int, int]], t0: float,
+             sync: bool) -> None:
+    """Record a finished write of ``n`` bytes: its file owed to the commit's sync (unless synced),
+    its chunks' RAM copies clean, its counter and span."""
     if not sync:
         store._ledger.written(path)
     store.stats_counters.bytes_written_disk += n
-    for c in ([cid] if isinstance(cid, tuple) else cid or []):
-        store._host.mark_clean(c)  # the RAM copies turn clean
+    for c in cids:
+        store._host.mark_clean(c)
     store.tracer.span("write", "disk", t0, time.perf_counter(), bytes=n)
 
 

@@ -66,6 +66,10 @@ class HostEntry:
     #: is good only if this has not moved since (``tierstore.updates.crc_ahead``)
     rewrites: int = 0
 
+    def plain_victim(self) -> bool:
+        """Whether an eviction may take it before any ``fresh`` chunk: clean, used, not lent."""
+        return not (self.dirty or self.fresh or self.updating) and not self.borrowed()
+
     def borrowed(self) -> bool:
         """Whether a tensor lent from this buffer is still alive somewhere (any thread)."""
         # each lent tensor's storage (shared by its views) holds one reference to ``root``
@@ -494,8 +498,7 @@ class HostTier:
         if rank is None:
             return []
         ranked = [(r, cid) for cid, e in self._entries.items()
-                  if not (e.dirty or e.fresh or e.updating) and (r := rank(cid)) > above
-                  and not e.borrowed()]
+                  if e.plain_victim() and (r := rank(cid)) > above]
         # stable: among equal ranks the least recently used goes first, as in ``_evict_one``
         ranked.sort(key=lambda rc: rc[0], reverse=True)
         return [cid for _, cid in reversed(ranked)]
@@ -509,7 +512,7 @@ class HostTier:
         while victims:
             cid = victims.pop()
             e = self._entries.get(cid)
-            if e is not None and not (e.dirty or e.fresh or e.updating or e.borrowed()):
+            if e is not None and e.plain_victim():
                 self._to_spare(self._entries.pop(cid))
                 return True
         return self._evict_one(above)
