@@ -14,9 +14,9 @@ a commit (``drain_writes``) to write it; a chunk changed in place gets its crc32
 written or first lent (``CRC_PENDING``, ``store._late_crcs``). A generation written for room
 alone has no ``zarr.json`` until a commit publishes it (``store._meta_owed``,
 ``write_owed_meta``): most such state is superseded a step later, and its metadata would be a
-file written, and written over, for nobody. A one-chunk generation written back for room
-(most of a training step's state) goes to disk in one io job: folder, crc32c and file
-(``write_back_one``).
+file written, and written over, for nobody. A generation written back for room (most of a
+training step's state) goes to disk in one io job a chunk, crc32c and file together, its
+folders in the first (``write_back``).
 
 Every chunk write checks the crc32c of the bytes it wrote against the one taken when they were
 stored (``write_file``'s ``checks``): a write into a tensor lent by ``get(copy=False)`` (or
@@ -106,7 +106,7 @@ def start_write_back(store: AsyncStore) -> bool:
 
 async def write_dirty(store: AsyncStore, rec: GenRecord, meta: bool = True) -> None:
     """Write every dirty chunk of ``rec`` (with its folders; ``meta``: and its zarr.json); raise the first failure."""
-    if not meta and await write_back_one(store, rec):
+    if not meta and await write_back(store, rec):
         return
     # made room for, not made durable: a commit syncs what is still the head by then, and
     # state superseded first (most of a training step's) is deleted before any device write
@@ -127,72 +127,115 @@ class _WriteBack:
 
 
 def _write_back_job(disk: DiskTier, key: str, gen: int, grid: ChunkGrid, spare: int | None,
-                    ledger: SyncLedger, path: str, data: Any, crc: int | None) -> _WriteBack:
-    """The folder, the crc32c (None: taken here) and the file of a one-chunk generation (io thread).
+                    ledger: SyncLedger, folder: bool, path: str | None, data: Any, crc: int | None,
+                    overwrite: bool) -> _WriteBack:
+    """A write-back's io job: the generation's folders (``folder``: renamed from ``spare`` or
+    made), then the file at ``path`` (None: none) with its crc32c (None: taken here).
 
     A failure is returned, not raised: the folders made before it must still be recorded.
     """
-    out = _WriteBack()
+    out = _WriteBack(recycled=overwrite)
     try:
-        if spare is not None:
-            try:
-                disk.adopt_folder(key, spare, gen, grid, ledger)
-                out.recycled = True
-            except DiskError:
-                out.spare_failed = True
-        if not out.recycled:
-            disk.make_dirs(key, gen, grid, range(grid.n_chunks), ledger)
-        out.folders = True
-        out.crc = checksum([data]) if crc is None else crc
-        disk.write_at(path, None, [data, crc_trailer(out.crc)], False, overwrite=out.recycled)
+        if folder:
+            if spare is not None:
+                try:
+                    disk.adopt_folder(key, spare, gen, grid, ledger)
+                    out.recycled = True
+                except DiskError:
+                    out.spare_failed = True
+            if not out.recycled:
+                disk.make_dirs(key, gen, grid, range(grid.n_chunks), ledger)
+            out.folders = True
+        if path is not None:
+            out.crc = checksum([data]) if crc is None else crc
+            disk.write_at(path, None, [data, crc_trailer(out.crc)], False, overwrite=out.recycled)
     except Exception as e:  # noqa: BLE001 - handed to the loop thread, which raises it
         out.error = e
     return out
 
 
-async def write_back_one(store: AsyncStore, rec: GenRecord) -> bool:
-    """``write_dirty(meta=False)`` of a dirty one-chunk generation in one io hop; False if ``rec``
-    is not such a generation (then nothing was done).
+async def write_back(store: AsyncStore, rec: GenRecord) -> bool:
+    """``write_dirty(meta=False)`` of an unsharded generation in one io job a chunk; False if
+    ``rec`` is not one this path writes (then nothing was done).
 
-    The general path takes a hop for the folder, one for a pending crc32c and a task and a hop
-    for the file: about four times the loop thread's work of this one, for each of the chunks
-    a training step writes back for room. Same checks: a chunk lent meanwhile is checked after
-    the write (``_check_written``), and a crc a loan took meanwhile must match the one written.
+    The general path takes a hop for the folders, one after another for each pending crc32c
+    and a task and a hop for each file. Here each chunk's crc32c (if still pending) is taken
+    in its file's job, and the chunks go to the io threads together; a one-chunk generation's
+    folder goes in its file's job too, a larger one's folders in a job before them. Same
+    checks: a chunk lent meanwhile is checked after its write (``_check_written``), and a crc
+    a loan took meanwhile must equal the one written.
     """
     g, key, grid = rec.generation, rec.key, rec.grid
-    cid = (g, 0)
-    payload = store._host.dirty_payload(cid)
-    if rec.shard or grid.n_chunks != 1 or payload is None:
+    n = grid.n_chunks
+    payloads = [store._host.dirty_payload((g, i)) for i in range(n)]
+    dirty = [(i, p) for i, p in enumerate(payloads) if p is not None]
+    del payloads
+    memory_only = g in store._memory_only
+    if rec.shard or not dirty or (memory_only and len(dirty) != n):
         return False
     store._meta_owed.add(g)  # owed to the commit, as ``rewrite(meta=False)``
     # no folder yet: a retired one of the key may become its
-    spare = take_retired_folder(store, key, grid) if g in store._memory_only else None
+    spare = take_retired_folder(store, key, grid) if memory_only else None
     store._memory_only.discard(g)  # before: a cancelled job may still make the folder
-    crc: int | None = rec.chunks[0][1]
+    folder = memory_only or g not in store._folder_grids
+    recycled = False
+    if folder and n > 1:  # every file needs the folders first
+        assert store._write_sem is not None
+        async with store._write_sem:
+            out = await store._run_io(_write_back_job, store._disk, key, g, grid, spare, store._ledger,
+                                      True, None, None, None, False)
+        _record_folders(store, key, g, grid, spare, out)
+        if out.error is not None:
+            raise out.error
+        folder, recycled = False, out.recycled
+    if len(dirty) == 1:
+        await _write_back_chunk(store, rec, *dirty[0], folder, spare, recycled)
+        return True
+    tasks = [store._spawn(_write_back_chunk(store, rec, i, p, False, None, recycled)) for i, p in dirty]
+    # a chunk written and evicted before the last one ends gives its buffer back at once: no
+    # name here may hold a payload while the tasks run
+    del dirty
+    failures = await settle(tasks)
+    if failures:
+        raise failures[0]
+    return True
+
+
+async def _write_back_chunk(store: AsyncStore, rec: GenRecord, i: int, payload: torch.Tensor,
+                            folder: bool, spare: int | None, recycled: bool) -> None:
+    """Chunk ``i`` of a write-back (``write_back``) in one io job, and what the loop records after it."""
+    g, key = rec.generation, rec.key
+    cid = (g, i)
+    crc: int | None = rec.chunks[i][1]
     if crc == CRC_PENDING:
         crc = store._late_crcs.get(cid)
-    path = store._disk.chunk_path(key, g, grid, 0)
+    path = store._disk.chunk_path(key, g, rec.grid, i)
     data = payload.numpy()  # ``payload`` stays referenced: its buffer is not reused meanwhile
     assert store._write_sem is not None
     async with store._write_sem:
         t0 = time.perf_counter()
-        out = await store._run_io(_write_back_job, store._disk, key, g, grid, spare, store._ledger,
-                                  path, data, crc)
-        if out.spare_failed:
-            spawn_retiring(store, store._run_delete(delete_folder, store, key, spare))
-        if out.folders:
-            store._folder_grids[g] = grid
-            store.stats_counters.folders_recycled += out.recycled
+        out = await store._run_io(_write_back_job, store._disk, key, g, rec.grid, spare, store._ledger,
+                                  folder, path, data, crc, recycled)
+        _record_folders(store, key, g, rec.grid, spare, out)
         if out.error is not None:
             raise out.error
         if crc is None and store._host.holds(cid):
             # the first crc taken wins (``rewrite``): one a loan took meanwhile must be this one
             if store._late_crcs.setdefault(cid, out.crc) != out.crc:
-                raise loan_written(key, 0)
+                raise loan_written(key, i)
         if not store._host.untouched(cid):
-            await store._run_io(_check_written, [(key, 0, data, out.crc, cid)])
+            await store._run_io(_check_written, [(key, i, data, out.crc, cid)])
     _written(store, path, payload.numel() + TRAILER, [cid], t0, sync=False)
-    return True
+
+
+def _record_folders(store: AsyncStore, key: str, g: int, grid: ChunkGrid, spare: int | None,
+                    out: _WriteBack) -> None:
+    """Record the folders a write-back's job made or renamed; a retired folder it failed to rename goes."""
+    if out.spare_failed:
+        spawn_retiring(store, store._run_delete(delete_folder, store, key, spare))
+    if out.folders:
+        store._folder_grids[g] = grid
+        store.stats_counters.folders_recycled += out.recycled
 
 
 async def recycle_folder(store: AsyncStore, key: str, gen: int, grid: ChunkGrid, shard: int) -> bool:
