@@ -761,7 +761,7 @@ def test_multi_chunk_state_written_back_for_room_goes_a_job_a_chunk_reuses_buffe
         s.plan(keys)
         fresh = []
         for step in range(10):
-            for a, b in zip(keys[::2], keys[1::2]):
+            for a, b in zip(keys[::2], keys[1::2], strict=True):
                 with s.update_many([a, b], chunked=True) as (ta, tb):
                     for t in ta + tb:
                         t.mul_(0.5).add_(step)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -203,6 +205,10 @@ def test_bench_optimizer_at_half_the_budget_reports_bytes_against_the_minimum(tm
     assert "equal on both sides: yes" in out
     line = next(ln for ln in out.splitlines() if ln.startswith("disk per step"))
     assert "the minimum with this budget" in line and "the step's floor" in out
+    if os.path.isdir("/proc/self/task"):  # each side's CPU a step by thread
+        store_cpu = next(ln for ln in out.splitlines() if ln.startswith("store: ") and "core-s a step" in ln)
+        assert "MainThread" in store_cpu
+        assert any(ln.startswith("in memory: ") and "core-s a step" in ln for ln in out.splitlines())
 
 
 def test_check_generate_agrees_and_finds_a_difference(capsys: pytest.CaptureFixture[str]) -> None:

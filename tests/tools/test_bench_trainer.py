@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from tools.bench import cputime
 from tools.bench import trainer as bench_trainer
 
 linux = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc/self/task")
@@ -15,7 +16,7 @@ linux = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /
 
 @linux
 def test_thread_times_name_pool_threads_and_count_their_cpu_and_blocks() -> None:
-    before = bench_trainer._thread_times()
+    before = cputime.thread_times()
     go, done, release = threading.Event(), threading.Event(), threading.Event()
 
     def work() -> None:
@@ -29,10 +30,10 @@ def test_thread_times_name_pool_threads_and_count_their_cpu_and_blocks() -> None
     t = threading.Thread(target=work, name="bench-pool_3")
     t.start()
     done.wait(10)
-    during = bench_trainer._thread_times()
+    during = cputime.thread_times()
     release.set()
     t.join()
-    d = bench_trainer._delta(before, during)
+    d = cputime.delta(before, during)
     cpu, blocks = d["bench-pool"]  # the pool number is dropped
     assert cpu >= 0.03
     assert blocks >= 5

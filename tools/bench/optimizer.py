@@ -16,7 +16,9 @@ The two alternate for ``--repeats`` steps after one warm-up step each; the table
 the store's time split into AdamW's arithmetic and the store's own calls (``update``: lending the
 state and taking it back), the minor page faults of one store step (fresh pages) and the RAM
 tier's fresh buffers (not recycled from its spares), and its disk bytes against the minimum for
-the budget (0 when the state fits). Every byte over the
+the budget (0 when the state fits). Below the table, each side's CPU seconds a step by thread
+(Linux): on a machine with few cores the store's copies, checksums and hops take cores the
+arithmetic would use. Every byte over the
 in-memory time is store traffic: what the trainer's ``optimizer_s`` minus ``optimizer_math_s``
 shows per training step.
 """
@@ -36,6 +38,7 @@ from typing import Any
 
 import torch
 
+from tools.bench.cputime import delta, thread_times
 from tools.bench.store import alternated_medians
 from tools.table import render_table
 
@@ -89,6 +92,20 @@ class _Timed:
 
     def update_many(self, *a: Any, **k: Any) -> Any:
         return self._timed(self._s.update_many(*a, **k))
+
+
+def cpu_line(steps: list[dict[str, tuple[float, int]]], wall: float) -> str:
+    """CPU seconds a step by thread (the mean over ``steps``: ``/proc`` counts in 10 ms ticks),
+    their sum against the cores a ``wall``-second step has; "" without ``/proc``."""
+    if not steps or not steps[0]:
+        return ""
+    names = sorted({k for st in steps for k in st})
+    mean = {k: sum(st.get(k, (0.0, 0))[0] for st in steps) / len(steps) for k in names}
+    busy = [(k, v) for k, v in sorted(mean.items(), key=lambda kv: -kv[1]) if v >= 0.0005]
+    total = sum(mean.values())
+    cores = os.cpu_count() or 1
+    return (f"{total:.3f} core-s a step ({total / max(wall, 1e-9):.1f} of {cores} cores over its {wall:.3f} s): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in busy))
 
 
 def disk_rate(folder: str, nbytes: int, piece: int, sync: bool = False) -> tuple[float, float]:
@@ -176,24 +193,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         split: list[tuple[float, float, int, int, int, int]] = []
         step_s: list[float] = []
 
+        cpu: dict[str, list[dict[str, tuple[float, int]]]] = {"store": [], "memory": []}
+
         def store_step() -> None:
             step[0] += 1
             st0 = store.stats()  # the counters are read outside the timed step (a hop each)
+            c0 = thread_times()
             s0, math0, f0 = timed.store_s, opt.update_s, _faults()
             t0 = time.perf_counter()
             opt.update_group(0, step[0], h, None, grads)
             step_s.append(time.perf_counter() - t0)
+            cpu["store"].append(delta(c0, thread_times()))
             st1 = store.stats()
             split.append((opt.update_s - math0, timed.store_s - s0, _faults() - f0,
                           st1["bytes_read_disk"] - st0["bytes_read_disk"],
                           st1["bytes_written_disk"] - st0["bytes_written_disk"],
                           st1["host_fresh_buffers"] - st0["host_fresh_buffers"]))
 
+        def plain_step() -> None:
+            c0 = thread_times()
+            plain.step()
+            cpu["memory"].append(delta(c0, thread_times()))
+
         store_step()  # warm-up: moments start at zero, nothing to read
         plain.step()
         split.clear()
         step_s.clear()
-        _, t_plain = alternated_medians([store_step, plain.step], a.repeats)
+        cpu["store"].clear()
+        _, t_plain = alternated_medians([store_step, plain_step], a.repeats)
         t_store = statistics.median(step_s)
         med = sorted(split, key=lambda r: r[0] + r[1])[len(split) // 2]
         gib = n * 4 / 2**30
@@ -210,6 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cols = ["side", "step s", "vs memory", "math s", "store s", "page faults", "fresh buffers", "read MiB",
                 "written MiB"]
         print(render_table(cols, table, right=cols[1:]))
+        for side, wall in (("memory", t_plain), ("store", t_store)):
+            line = cpu_line(cpu[side], wall)
+            if line:
+                print(f"{'in memory' if side == 'memory' else 'store'}: {line}")
         least = max(0, state - budget)  # what does not fit is read, and written back, once a step
         print(f"disk per step (median step): read {med[3] / mib:.0f} MiB, written {med[4] / mib:.0f} MiB; "
               f"the minimum with this budget: {least / mib:.0f} MiB each way "

@@ -24,16 +24,16 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import re
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from tools.bench.cputime import delta, thread_times
 
 RUNS = ("plain PyTorch", "plain PyTorch + gradient checkpointing", "streaming trainer (tierstore)",
         "streaming trainer, state in RAM")
@@ -45,39 +45,6 @@ def _config(a: argparse.Namespace) -> Any:
     return LlamaConfig(hidden_size=a.hidden, intermediate_size=a.intermediate, num_hidden_layers=a.layers,
                        num_attention_heads=a.heads, num_key_value_heads=a.heads, vocab_size=256,
                        max_position_embeddings=a.seq, bos_token_id=0, eos_token_id=1)
-
-
-def _thread_times() -> dict[str, tuple[float, int]]:
-    """(CPU seconds, times blocked) of this process's threads so far, by name; {} without ``/proc``.
-
-    Python threads go by their name less any pool number (``tierstore-io_2``: ``tierstore-io``),
-    the others (OpenMP workers, torch's own) as ``native``.
-    """
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    out: dict[str, tuple[float, int]] = {}
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/self/task/{tid}/status") as f:
-                blocks = int(re.search(r"^voluntary_ctxt_switches:\s*(\d+)", f.read(), re.M).group(1))  # type: ignore[union-attr]
-        except (OSError, AttributeError, IndexError):
-            continue  # the thread ended meanwhile
-        name = re.sub(r"_\d+$", "", names.get(int(tid), "native"))
-        cpu, n = out.get(name, (0.0, 0))
-        out[name] = (cpu + (int(fields[11]) + int(fields[12])) / tick, n + blocks)
-    return out
-
-
-def _delta(before: dict[str, tuple[float, int]], after: dict[str, tuple[float, int]]) -> dict[str, tuple[float, int]]:
-    """Per thread name: CPU seconds and blocks between two ``_thread_times`` snapshots."""
-    zero = (0.0, 0)
-    return {k: (v[0] - before.get(k, zero)[0], v[1] - before.get(k, zero)[1]) for k, v in after.items()}
 
 
 def _plain(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], checkpointing: bool
@@ -102,7 +69,7 @@ def _plain(model: torch.nn.Module, batches: list[dict[str, torch.Tensor]], check
 def _plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict[str, torch.Tensor]
                 ) -> tuple[float, float, int]:
     """One plain step's (wall s, process CPU s, training thread's blocks): forward, backward, clip, AdamW."""
-    before = _thread_times()
+    before = thread_times()
     t0, c0 = time.perf_counter(), time.process_time()
     out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], labels=b["labels"])
     out.loss.backward()
@@ -110,7 +77,7 @@ def _plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, b: dict[str,
     opt.step()
     opt.zero_grad(set_to_none=True)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return wall, cpu, _delta(before, _thread_times()).get("MainThread", (0.0, 0))[1]
+    return wall, cpu, delta(before, thread_times()).get("MainThread", (0.0, 0))[1]
 
 
 def _step_clock() -> Any:
@@ -120,11 +87,11 @@ def _step_clock() -> Any:
     class StepClock(TrainerCallback):
         def __init__(self) -> None:
             self.marks: list[float] = [time.process_time()]
-            self.threads = [_thread_times()]
+            self.threads = [thread_times()]
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.marks.append(time.process_time())
-            self.threads.append(_thread_times())
+            self.threads.append(thread_times())
 
         def cpu(self) -> list[float]:
             """Process CPU seconds of each step (the first one's from the run's start)."""
@@ -132,7 +99,7 @@ def _step_clock() -> Any:
 
         def per_thread(self) -> list[dict[str, tuple[float, int]]]:
             """Each step's CPU seconds and blocks by thread name (as ``cpu``)."""
-            return [_delta(a, b) for a, b in zip(self.threads, self.threads[1:], strict=False)]
+            return [delta(a, b) for a, b in zip(self.threads, self.threads[1:], strict=False)]
 
     return StepClock()
 
