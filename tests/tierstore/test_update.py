@@ -718,6 +718,30 @@ def _count_write_back_jobs(monkeypatch, before=None) -> list[int]:
     return calls
 
 
+def _equal_then_after_reopen(s, path, ref: dict[str, torch.Tensor]) -> None:
+    """Every key of ``ref`` reads back equal from the open store ``s``, and, once it commits,
+    from a read-only reopen of ``path`` whose ``verify`` finds nothing."""
+    for k, v in ref.items():
+        assert torch.equal(s.get(k), v), k
+    s.commit()
+    with tierstore.open(path, "r") as r:
+        assert r.verify() == []
+        for k, v in ref.items():
+            assert torch.equal(r.get(k), v), k
+
+
+async def _doubled_in_ram(path, x: torch.Tensor):
+    """A store at ``path`` holding ``x`` committed, then ``x * 2`` updated in place: a new
+    generation in RAM only, its crcs pending."""
+    s = await tierstore.open_async(path, "w", ram_budget="4MiB", chunk_bytes=CHUNK, device="cpu",
+                                   device_budget=None)
+    await s.put("w", x.clone())
+    await s.commit()
+    async with s.update("w") as t:
+        t.mul_(2)
+    return s
+
+
 def test_one_chunk_state_written_back_for_room_goes_in_one_hop_and_reads_back_exactly(tmp_path, monkeypatch) -> None:
     """Training state of one chunk a key, twice the budget, updated in place in plan order: its
     write-backs take the one-hop path (folder, crc and file together), recycle folders, and
@@ -737,13 +761,7 @@ def test_one_chunk_state_written_back_for_room_goes_in_one_hop_and_reads_back_ex
                 ref[k].mul_(0.9).add_(step)
         st = s.stats()
         assert len(jobs) >= 6 * 4 and st["folders_recycled"] >= 4 * 4
-        for k in keys:
-            assert torch.equal(s.get(k), ref[k]), k
-        s.commit()
-    with tierstore.open(tmp_path / "s", "r") as r:
-        assert r.verify() == []
-        for k in keys:
-            assert torch.equal(r.get(k), ref[k]), k
+        _equal_then_after_reopen(s, tmp_path / "s", ref)
 
 
 def test_multi_chunk_state_written_back_for_room_goes_a_job_a_chunk_reuses_buffers_and_reads_back(tmp_path, monkeypatch) -> None:
@@ -773,13 +791,7 @@ def test_multi_chunk_state_written_back_for_room_goes_a_job_a_chunk_reuses_buffe
         # the cycle runs on recycled buffers: a buffer kept referenced after its chunk's
         # write-back made one fresh buffer a write-back (2-4 a step), a timing here or there one
         assert fresh[-1] - fresh[3] <= 5, fresh
-        for k in keys:
-            assert torch.equal(s.get(k), ref[k]), k
-        s.commit()
-    with tierstore.open(tmp_path / "s", "r") as r:
-        assert r.verify() == []
-        for k in keys:
-            assert torch.equal(r.get(k), ref[k]), k
+        _equal_then_after_reopen(s, tmp_path / "s", ref)
 
 
 def test_a_write_back_whose_chunk_write_fails_keeps_that_chunk_dirty_and_the_commit_writes_it(tmp_path) -> None:
@@ -788,13 +800,8 @@ def test_a_write_back_whose_chunk_write_fails_keeps_that_chunk_dirty_and_the_com
     x = torch.arange(3 * 16384, dtype=torch.float32)
 
     async def main() -> None:
-        s = await tierstore.open_async(tmp_path / "s", "w", ram_budget="4MiB", chunk_bytes=CHUNK,
-                                       device="cpu", device_budget=None)
+        s = await _doubled_in_ram(tmp_path / "s", x)
         try:
-            await s.put("w", x.clone())
-            await s.commit()
-            async with s.update("w") as t:
-                t.mul_(2)  # a new generation in RAM only, its crcs pending
             from tierstore import writes
 
             rec = s._head["w"]
@@ -828,13 +835,8 @@ def test_a_one_hop_write_back_refuses_bytes_written_through_a_loan_lent_while_it
     x = torch.arange(16384, dtype=torch.float32)
 
     async def main() -> None:
-        s = await tierstore.open_async(tmp_path / "s", "w", ram_budget="4MiB", chunk_bytes=CHUNK,
-                                       device="cpu", device_budget=None)
+        s = await _doubled_in_ram(tmp_path / "s", x)
         try:
-            await s.put("w", x.clone())
-            await s.commit()
-            async with s.update("w") as t:
-                t.mul_(2)  # a new generation, its crc pending
             from tierstore import writes
 
             rec = s._head["w"]
