@@ -211,6 +211,18 @@ def test_bench_optimizer_at_half_the_budget_reports_bytes_against_the_minimum(tm
         assert any(ln.startswith("in memory: ") and "core-s a step" in ln for ln in out.splitlines())
 
 
+def test_bench_optimizer_cpu_line_means_steps_and_orders_threads_by_cpu() -> None:
+    from tools.bench.optimizer import cpu_line
+
+    steps = [{"MainThread": (0.04, 3), "tierstore-io": (0.20, 9), "idle": (0.0, 1)},
+             {"MainThread": (0.06, 2), "tierstore-io": (0.24, 8), "idle": (0.0, 0)}]
+    line = cpu_line(steps, 0.25)
+    assert line.startswith("0.270 core-s a step (1.1 of ")  # (0.05 + 0.22) over 0.25 s
+    assert line.index("tierstore-io 0.220") < line.index("MainThread 0.050")
+    assert "idle" not in line  # a thread that used no CPU is not listed
+    assert cpu_line([], 0.25) == "" and cpu_line([{}], 0.25) == ""
+
+
 def test_check_generate_agrees_and_finds_a_difference(capsys: pytest.CaptureFixture[str]) -> None:
     from tools.harness import check_generate
 

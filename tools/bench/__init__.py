@@ -1,7 +1,8 @@
 """Benchmarks: each module listed in ``BENCHMARKS`` runs with ``python -m tools.bench.<name>`` and
 says in its docstring what it measures; ``tierstore bench --list`` prints them. ``moments`` and
 ``convergence_runs`` are what the codec benchmarks share (a tiny model and its Adam moments; the
-convergence record). Measured figures, with command and machine: docs/benchmarks.md.
+convergence record), ``cputime`` what the optimizer and trainer benchmarks share (CPU seconds
+by thread). Measured figures, with command and machine: docs/benchmarks.md.
 """
 
 from __future__ import annotations
