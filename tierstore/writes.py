@@ -167,9 +167,7 @@ async def write_back(store: AsyncStore, rec: GenRecord) -> bool:
     """
     g, key, grid = rec.generation, rec.key, rec.grid
     n = grid.n_chunks
-    payloads = [store._host.dirty_payload((g, i)) for i in range(n)]
-    dirty = [(i, p) for i, p in enumerate(payloads) if p is not None]
-    del payloads
+    dirty = [(i, p) for i, p in enumerate(store._host.dirty_payload((g, j)) for j in range(n)) if p is not None]
     memory_only = g in store._memory_only
     if rec.shard or not dirty or (memory_only and len(dirty) != n):
         return False
@@ -187,11 +185,11 @@ async def write_back(store: AsyncStore, rec: GenRecord) -> bool:
         _record_folders(store, key, g, grid, spare, out)
         if out.error is not None:
             raise out.error
-        folder, recycled = False, out.recycled
+        folder, spare, recycled = False, None, out.recycled
     if len(dirty) == 1:
         await _write_back_chunk(store, rec, *dirty[0], folder, spare, recycled)
         return True
-    tasks = [store._spawn(_write_back_chunk(store, rec, i, p, False, None, recycled)) for i, p in dirty]
+    tasks = [store._spawn(_write_back_chunk(store, rec, i, p, folder, spare, recycled)) for i, p in dirty]
     # a chunk written and evicted before the last one ends gives its buffer back at once: no
     # name here may hold a payload while the tasks run
     del dirty

@@ -99,7 +99,7 @@ def cpu_line(steps: list[dict[str, tuple[float, int]]], wall: float) -> str:
     their sum against the cores a ``wall``-second step has; "" without ``/proc``."""
     if not steps or not steps[0]:
         return ""
-    names = sorted({k for st in steps for k in st})
+    names = {k for st in steps for k in st}
     mean = {k: sum(st.get(k, (0.0, 0))[0] for st in steps) / len(steps) for k in names}
     busy = [(k, v) for k, v in sorted(mean.items(), key=lambda kv: -kv[1]) if v >= 0.0005]
     total = sum(mean.values())
@@ -193,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         split: list[tuple[float, float, int, int, int, int]] = []
         step_s: list[float] = []
 
-        cpu: dict[str, list[dict[str, tuple[float, int]]]] = {"store": [], "memory": []}
+        cpu: dict[str, list[dict[str, tuple[float, int]]]] = {"in memory": [], "store": []}
 
         def store_step() -> None:
             step[0] += 1
@@ -213,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         def plain_step() -> None:
             c0 = thread_times()
             plain.step()
-            cpu["memory"].append(delta(c0, thread_times()))
+            cpu["in memory"].append(delta(c0, thread_times()))
 
         store_step()  # warm-up: moments start at zero, nothing to read
         plain.step()
@@ -237,10 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         cols = ["side", "step s", "vs memory", "math s", "store s", "page faults", "fresh buffers", "read MiB",
                 "written MiB"]
         print(render_table(cols, table, right=cols[1:]))
-        for side, wall in (("memory", t_plain), ("store", t_store)):
+        for side, wall in (("in memory", t_plain), ("store", t_store)):
             line = cpu_line(cpu[side], wall)
             if line:
-                print(f"{'in memory' if side == 'memory' else 'store'}: {line}")
+                print(f"{side}: {line}")
         least = max(0, state - budget)  # what does not fit is read, and written back, once a step
         print(f"disk per step (median step): read {med[3] / mib:.0f} MiB, written {med[4] / mib:.0f} MiB; "
               f"the minimum with this budget: {least / mib:.0f} MiB each way "
