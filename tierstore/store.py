@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from tierstore import updates
+from tierstore import callers, updates
 from tierstore.catalog import Catalog
 from tierstore.codecs import Codec, resolve
 from tierstore.config import StoreConfig, scratch_keep_bytes
@@ -114,6 +114,8 @@ class AsyncStore(ReadPath):
         pin = torch.cuda.is_available() and config.device is not None and config.device.type == "cuda"
         self._host = HostTier(config.ram_budget, pin=pin)
         self._host.explain_stuck = self._explain_stuck
+        self._host.caller = callers.current
+        self._host.updates_may_free = self._updates_may_free
         #: decode buffers of updates through a scratch, apart from the RAM tier (``tierstore.scratch``)
         self._scratch = ScratchPool(scratch_keep_bytes(config.ram_budget))
         #: keys lent for update (or being put): who may touch them waits (``tierstore.updates``)
@@ -322,6 +324,16 @@ class AsyncStore(ReadPath):
             return (f"{self._host.dirty_count()} chunks wait to be written (chunks lent to an "
                     "open update() are written once it ends)")
         return None
+
+    def _updates_may_free(self, me: object | None) -> bool:
+        """Whether an open in-place update is held by a live caller other than ``me`` that waits
+        for no room itself: its end can free room (see ``tierstore.callers``)."""
+        if any(t.done() and not t.cancelled() and t.exception() is not None
+               for ts in self._writes.values() for t in ts):
+            return False  # the disk refuses writes: an update's end frees nothing
+        waiting = self._host.waiting
+        return any(h is not me and h not in waiting and callers.alive(h)
+                   for h in self._borrows.in_place.values())
 
     # ---------------------------------------------------------------- put
 

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from tierstore import callers
 from tierstore.codecs import Codec
 from tierstore.errors import StoreClosed, StoreError
 from tierstore.kernel_threads import limit_this_thread
@@ -65,7 +66,8 @@ class LoopThread:
         if not self._thread.is_alive() or self.loop.is_closed():
             coro.close()
             raise StoreClosed("the store's event loop has stopped (the store is closed)")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return asyncio.run_coroutine_threadsafe(callers.on_behalf_of(threading.current_thread(), coro),
+                                                self.loop)
 
     def owns_current_thread(self) -> bool:
         """Whether the calling thread is this loop's thread."""

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tierstore import callers
 from tierstore.errors import LoanWritten
 from tierstore.keys import validate_key
 from tierstore.plan import AccessPlan
@@ -61,8 +62,8 @@ class BorrowTable:
         self._released: dict[str, asyncio.Event | None] = {}
         #: keys held by an update: gets of them wait
         self._updating: set[str] = set()
-        #: keys whose in-place loan made the head: a commit waits for them
-        self.in_place: set[str] = set()
+        #: keys whose in-place loan made the head (a commit waits for them) -> who holds the loan
+        self.in_place: dict[str, object | None] = {}
         self._none_in_place = asyncio.Event()
         self._none_in_place.set()
         #: commits waiting for the in-place loans to end: no new update starts meanwhile
@@ -106,15 +107,15 @@ class BorrowTable:
         if update:
             self._updating.add(key)
 
-    def mark_in_place(self, key: str) -> None:
-        """``key``'s head is now the generation being written in place."""
-        self.in_place.add(key)
+    def mark_in_place(self, key: str, holder: object | None) -> None:
+        """``key``'s head is now the generation ``holder`` (``callers``) writes in place."""
+        self.in_place[key] = holder
         self._none_in_place.clear()
 
     def release(self, key: str) -> None:
         """Give ``key`` back and wake its waiters."""
         self._updating.discard(key)
-        self.in_place.discard(key)
+        self.in_place.pop(key, None)
         if not self.in_place:
             self._none_in_place.set()
         ev = self._released.pop(key, None)
@@ -492,7 +493,7 @@ def lend_in_place(store: AsyncStore, rec: GenRecord, cow: dict[int, torch.Tensor
     new = rec.moved(new_gen, tuple((nb, CRC_PENDING) for nb, _ in rec.chunks))
     store._gen_keys[new_gen] = rec.key
     store._head[rec.key] = new
-    store._borrows.mark_in_place(rec.key)
+    store._borrows.mark_in_place(rec.key, callers.claim())
     if g not in store._committed:
         if g not in store._writes and not store._pins.pinned(g) and g not in store._deferred:
             # never written (an earlier update's, still dirty in RAM), now moved on: nothing
@@ -538,7 +539,7 @@ def lend_again(store: AsyncStore, rec: GenRecord, chunked: bool, dtype: torch.dt
         buf = take((g, i))
         parts.append((buf if buf.numel() == valid * size else buf[: valid * size]).view(dtype))
     store._window.forget(g)
-    store._borrows.mark_in_place(rec.key)
+    store._borrows.mark_in_place(rec.key, callers.claim())
     store.stats_counters.updates_reused += 1
     return Update(rec.key, rec, rec, parts, chunked=chunked)
 

@@ -11,6 +11,7 @@ import contextlib
 import errno
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -184,3 +185,131 @@ def test_a_wait_for_room_behind_reads_in_flight_waits_for_them(tmp_path) -> None
             await s.close()
 
     asyncio.run(main())
+
+
+
+_TIGHT = dict(ram_budget="256", chunk_bytes="64", device="cpu", device_budget=None, io_depth=1)
+_U, _V, _W = torch.arange(24.0), torch.arange(24.0) + 100, torch.arange(16.0) + 200
+_KEYS = ["u", "v", "w"]
+
+
+def _tight_store(path):
+    """A 256 B RAM budget and committed keys that fill it when lent in place at once (96, 96
+    and 64 B, each under half the budget with its checksums)."""
+    with tierstore.open(path, "w", **_TIGHT) as s:
+        for k, t in zip(_KEYS, (_U, _V, _W), strict=True):
+            s.put(k, t)
+    return tierstore.open(path, "a", **_TIGHT)
+
+
+def _bump(parts) -> None:
+    for p in parts:
+        p.add_(1)
+
+
+def test_a_wait_for_room_behind_another_threads_update_waits_for_its_end(tmp_path) -> None:
+    """Seed 9967251: a put that needed room held by chunks lent to another actor's open in-place
+    update raised ``BudgetError`` ("chunks wait to be written") while that actor, a thread,
+    was in its block and about to end it; the put now waits for the end."""
+    with _tight_store(tmp_path / "s") as s:
+        lent, go_on = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with s.update_many(_KEYS, chunked=True) as (u, v, w):  # the whole budget, dirty
+                lent.set()
+                assert go_on.wait(10)
+                # past the wait's first second: its own folder and metadata writes, in flight
+                # at first, made it wait before too
+                time.sleep(1.2)
+                _bump(u + v + w)
+
+        th = threading.Thread(target=hold)
+        th.start()
+        assert lent.wait(10)
+        go_on.set()
+        s.put("p", torch.ones(16))  # raised BudgetError here before
+        th.join(10)
+        assert torch.equal(s.get("u"), _U + 1) and torch.equal(s.get("v"), _V + 1)
+        assert torch.equal(s.get("p"), torch.ones(16))
+        s.commit()
+
+
+def test_a_wait_for_room_behind_its_own_update_is_refused_at_once(tmp_path) -> None:
+    """The holder of the updates that hold the room would wait on itself: refused without
+    waiting (the same from a task the holder started after it took the updates)."""
+    with _tight_store(tmp_path / "s") as s:
+        s.async_store._host.update_wait_s = 600.0
+        with s.update_many(_KEYS, chunked=True):
+            with pytest.raises(tierstore.BudgetError) as err:
+                s.put("p", torch.ones(16))
+        assert "waited" not in str(err.value)
+        s.put("p", torch.ones(16))  # the updates ended: their chunks are written back for room
+
+    async def main() -> None:
+        a = await tierstore.open_async(tmp_path / "s", "a", **_TIGHT)
+        a._host.update_wait_s = 600.0
+        try:
+            await a.delete("p")
+            us = await a.begin_updates(_KEYS, chunked=True)
+            try:
+                child = asyncio.ensure_future(a.put("q", torch.ones(16)))
+                with pytest.raises(tierstore.BudgetError) as err:
+                    await asyncio.wait_for(child, 60)
+                assert "waited" not in str(err.value)
+            finally:
+                await a.end_updates(us)
+        finally:
+            await a.close()
+
+    asyncio.run(main())
+
+
+def test_an_async_wait_for_room_behind_another_tasks_update_waits_for_its_end(tmp_path) -> None:
+    """The async form of seed 9967251: a task's put waits for another task's updates to end."""
+    _tight_store(tmp_path / "s").close()
+
+    async def main() -> None:
+        a = await tierstore.open_async(tmp_path / "s", "a", **_TIGHT)
+        lent = asyncio.Event()
+
+        async def hold() -> None:
+            us = await a.begin_updates(_KEYS, chunked=True)
+            lent.set()
+            await asyncio.sleep(1.2)  # see the threads' form above
+            _bump([p for u in us for p in u.value()])
+            await a.end_updates(us)
+
+        try:
+            holder = asyncio.ensure_future(hold())
+            await lent.wait()
+            await a.put("p", torch.ones(16))  # raised BudgetError here before
+            await holder
+            assert torch.equal(await a.get("u"), _U + 1)
+        finally:
+            await a.close()
+
+    asyncio.run(main())
+
+
+def test_a_wait_for_room_behind_an_update_that_never_ends_gives_up_naming_it(tmp_path) -> None:
+    """A holder that waits on the waiter in some other way would never end its updates: the
+    wait is bounded (``update_wait_s``) and its error says what it waited for."""
+    with _tight_store(tmp_path / "s") as s:
+        s.async_store._host.update_wait_s = 0.3
+        lent, done = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with s.update_many(_KEYS, chunked=True):
+                lent.set()
+                assert done.wait(30)
+
+        th = threading.Thread(target=hold)
+        th.start()
+        try:
+            assert lent.wait(10)
+            with pytest.raises(tierstore.BudgetError, match=r"waited \d+\.\d s for the open update\(\)s to end"):
+                s.put("p", torch.ones(16))
+        finally:
+            done.set()
+            th.join(10)
+        assert torch.equal(s.get("u"), _U)

@@ -35,6 +35,7 @@ import asyncio
 import dataclasses
 import math
 import sys
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +44,11 @@ import numpy as np
 import torch
 
 from tierstore.errors import BudgetError
+
+#: seconds a wait for RAM room waits for other callers' open in-place updates to end (their
+#: chunks become writable, then reclaimable) before it raises ``BudgetError``: far longer than an
+#: optimizer's update of a layer, short enough to surface a holder that waits on the waiter
+UPDATE_WAIT_S = 30.0
 
 ChunkId = tuple[int, int]  # (generation, chunk index)
 
@@ -120,6 +126,15 @@ class HostTier:
         self._optional_waiters = 0
         #: called when a reservation cannot wait any longer; returns a reason or None to wait
         self.explain_stuck: Callable[[], str | None] = lambda: None
+        #: who waits now (``tierstore.callers``), and the callers waiting for room: a waiter
+        #: stuck behind open in-place updates waits while ``updates_may_free`` says one of
+        #: them is held by a caller who is not waiting too (it can end and free the room)
+        self.caller: Callable[[], object | None] = lambda: None
+        self.waiting: dict[object | None, int] = {}
+        self.updates_may_free: Callable[[object | None], bool] = lambda me: False
+        #: how long a waiter waits for such updates to end before it gives up (a holder that
+        #: waits on this waiter in some other way, a key it holds, would never end its update)
+        self.update_wait_s = UPDATE_WAIT_S
         #: how late a chunk is needed again (an access plan); the highest goes first, when set:
         #: evicted first, written back first. None: least recently used first
         self.rank: Callable[[ChunkId], float] | None = None
@@ -201,6 +216,19 @@ class HostTier:
                 self._optional_waiters -= 1
 
     async def _wait_loop(self, nbytes: int, attempt: Callable[[int], Any], optional: bool) -> Any:
+        me = self.caller()
+        self.waiting[me] = self.waiting.get(me, 0) + 1
+        try:
+            return await self._wait_as(me, nbytes, attempt, optional)
+        finally:
+            if self.waiting[me] == 1:
+                del self.waiting[me]
+            else:
+                self.waiting[me] -= 1
+
+    async def _wait_as(self, me: object | None, nbytes: int, attempt: Callable[[int], Any],
+                       optional: bool) -> Any:
+        behind_updates_since: float | None = None
         while (got := attempt(nbytes)) is None:
             lent = self.lent_bytes() if self.budget is not None else 0
             if lent and self.budget is not None and self.budget - lent < nbytes:
@@ -219,18 +247,31 @@ class HostTier:
                     self.keep_fresh = True
                 if got is not None:
                     return got
-                if optional or not self._optional_waiters:
-                    raise BudgetError(f"RAM budget full and nothing can be freed: {reason}")
-                # an optional waiter may be what holds the room up (the reads of an update
-                # that holds its loans): wake it to give up and go on uncached, then wait
-                self._freed.set()
-                await asyncio.sleep(0)
+                waited = self._waited_behind_updates(me, behind_updates_since)
+                if waited is None:  # their ends wake this wait
+                    behind_updates_since = behind_updates_since or time.monotonic()
+                else:
+                    if optional or not self._optional_waiters:
+                        if waited:
+                            reason += f" (waited {waited:.1f} s for the open update()s to end)"
+                        raise BudgetError(f"RAM budget full and nothing can be freed: {reason}")
+                    # an optional waiter may be what holds the room up (the reads of an update
+                    # that holds its loans): wake it to give up and go on uncached, then wait
+                    self._freed.set()
+                    await asyncio.sleep(0)
             self._freed.clear()
             try:
                 await asyncio.wait_for(self._freed.wait(), timeout=1.0)
             except asyncio.TimeoutError:
                 pass
         return got
+
+    def _waited_behind_updates(self, me: object | None, since: float | None) -> float | None:
+        """None to wait on for open in-place updates to end; else the seconds already waited."""
+        waited = 0.0 if since is None else time.monotonic() - since
+        if waited < self.update_wait_s and self.updates_may_free(me):
+            return None
+        return waited
 
     def release(self, buf: torch.Tensor) -> None:
         """Return an allocated buffer that was not inserted."""
