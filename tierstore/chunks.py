@@ -49,6 +49,12 @@ def decode_into(codec: Codec, grid: ChunkGrid, dtype: torch.dtype, payload: torc
     """Decode one chunk's payload and copy the requested pieces into the flat ``dest``."""
     if codec.raw_layout:
         chunk = payload.view(dtype)
+    elif len(pieces) == 1 and pieces[0][:2] == (0, grid.chunk_numel):
+        # the whole chunk (an update's scratch, a full get): decoded where it goes, no copy
+        off = pieces[0][2]
+        codec.decode_into(memoryview(payload.numpy()), grid.chunk_shape, dtype,
+                          dest[off : off + grid.chunk_numel])
+        return
     else:
         chunk = codec.decode(memoryview(payload.numpy()), grid.chunk_shape, dtype).reshape(-1)
     for lo, hi, off in pieces:

@@ -660,3 +660,64 @@ def test_new_formats_are_new_spec_values_and_old_specs_read_unchanged() -> None:
         codecs.get("q4", signed_map="log")
     with pytest.raises(tierstore.CodecError, match="scales must be one of"):
         codecs.from_spec({**old, "scales": "tiles"})
+
+
+@pytest.mark.parametrize("compile_mode", ["never", pytest.param("always", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_decoding_into_a_buffer_equals_a_fresh_decode(compile_mode: str, bits: int) -> None:
+    """``dequantize(out=)`` writes the values a fresh decode returns into the caller's buffer:
+    code planes read in place (rows a multiple of the planes), codes unpacked first (odd rows),
+    or a copy (the block view's padded last row); a buffer of the wrong size or dtype is refused."""
+    m, v = synthetic_moments(64 * 128, seed=5)
+    try:
+        quant.set_compile(compile_mode)
+        for shape in [(64, 128), (63, 128), (1000,)]:
+            n = math.prod(shape)
+            for x, signed, mode in [(m, True, "dither"), (m, True, "stochastic"), (v, False, "stochastic")]:
+                x = x[:n].reshape(shape)
+                enc = quant.quantize(x, bits, 128, signed, mode=mode)
+                want = quant.dequantize(enc, shape, bits, 128, signed, mode=mode)
+                out = torch.full(shape, float("nan"))
+                got = quant.dequantize(enc, shape, bits, 128, signed, mode=mode, out=out)
+                assert got.data_ptr() == out.data_ptr() and torch.equal(out, want)
+        enc = quant.quantize(v.view(64, 128), bits, 128, False)
+        for bad in (torch.empty(8192, dtype=torch.float64), torch.empty(8191)):
+            with pytest.raises(tierstore.CodecError, match="float32 tensor of 8192 elements"):
+                quant.dequantize(enc, (64, 128), bits, 128, False, out=bad)
+    finally:
+        quant.set_compile("auto")
+
+
+def test_a_store_decodes_whole_quantized_chunks_in_place_and_edge_chunks_through_a_copy(tmp_path) -> None:
+    """A get or an update of a coded tensor decodes each whole chunk straight into its place in
+    the result (``Codec.decode_into``); the edge chunk, padded, goes through a chunk of its own.
+    Both read back what a plain decode of the same bytes gives."""
+    m, _ = synthetic_moments(301 * 128, seed=6)
+    x = m.view(301, 128)
+    codec = codecs.get("q4", signed=True, rounding="dither")
+    calls: list[int] = []
+    real = type(codec).decode_into
+
+    def counting(self, data, shape, dtype, out):  # type: ignore[no-untyped-def]
+        calls.append(out.numel())
+        return real(self, data, shape, dtype, out)
+
+    with tierstore.open(tmp_path / "s", "w", chunk_bytes=64 * 128 * 4, device="cpu") as s:
+        s.put("m", x, codec=codec)
+        grid = s.async_store._head["m"].grid
+        rows = grid.chunk_numel // 128
+        whole = 301 // rows
+        assert 0 < whole < grid.n_chunks  # whole chunks and a padded edge one
+        type(codec).decode_into = counting  # type: ignore[method-assign]
+        try:
+            got = s.get("m")
+            with s.update("m") as t:
+                t.mul_(2)
+        finally:
+            type(codec).decode_into = real  # type: ignore[method-assign]
+        assert calls == [grid.chunk_numel] * (2 * whole)
+        want = torch.cat([codec.decode(memoryview(codec.encode(x[i:i + rows].contiguous()).numpy()),
+                                       (rows, 128), torch.float32) for i in range(0, 301, rows)
+                          if i + rows <= 301])
+        assert torch.equal(got[: whole * rows], want)
+        assert torch.allclose(got, x, atol=float(x.abs().max()) * 0.2)

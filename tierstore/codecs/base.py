@@ -61,6 +61,12 @@ class Codec(abc.ABC):
     def decode(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Decode stored bytes into a CPU tensor of ``shape`` and ``dtype``."""
 
+    def decode_into(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype,
+                    out: torch.Tensor) -> None:
+        """``decode`` into ``out`` (flat, contiguous, of the decoded dtype and the chunk's size);
+        codecs that can write there directly override this decode and copy."""
+        out.copy_(self.decode(data, shape, dtype).reshape(-1))
+
     @abc.abstractmethod
     def zarr_codecs(self, dtype: torch.dtype) -> list[dict[str, Any]]:
         """The zarr v3 codec chain (array->bytes first) that reads these bytes, crc32c excluded."""

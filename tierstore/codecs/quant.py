@@ -461,31 +461,51 @@ def _encode_matrix(xm: torch.Tensor, bits: int, signed: bool, mode: str = "neare
     return rows, cols, codes.to(torch.uint8), check_max, check_min
 
 
+def _planes(nr: int, nc: int, bits: int) -> int:
+    """How many code planes the decoder reads as a ``(planes, nr // planes, nc)`` view of the
+    matrix: ``8 // bits`` at 2 and 4 bits when each plane is whole rows (then byte ``(r, c)`` of
+    the packed codes holds element ``(r, c)`` of every plane), else 1 (the codes unpacked first).
+
+    In that view every index is a product, never a quotient, so the compiled decoder reads the
+    packed bytes in place: unpacked first, the codes took a fresh buffer of a byte an element
+    (and a second for their concatenation), page faults that cost more than the decode."""
+    planes = 8 // bits if bits in (2, 4) else 1
+    return planes if planes > 1 and nr % planes == 0 and (nr * nc) % 8 == 0 else 1
+
+
 def _decode_matrix(rows: torch.Tensor, cols: torch.Tensor, packed: torch.Tensor, bits: int,
                    signed: bool, mode: str = "nearest", smap: str | None = None,
                    nc: int | None = None) -> torch.Tensor:
-    """Float32 values (flat, rows * cols of them) of the matrix the scales and codes hold
-    (``nc`` the column count where ``cols`` holds no scales, block scales)."""
+    """Float32 values of the matrix the scales and codes hold, as ``(planes, rows / planes,
+    cols)`` (``_planes``; flat, it is the matrix in order) (``nc`` the column count where
+    ``cols`` holds no scales, block scales)."""
     levels = (1 << bits) - 1
     smap = smap or default_map(bits)
     rank1 = nc is None
     nr, nc = rows.shape[-1], (cols.shape[0] if nc is None else nc)
-    codes = _unpack(packed, bits)
-    if codes.numel() != nr * nc:  # only when rows * cols is not a multiple of 8
-        codes = codes[: nr * nc]
-    k = codes.view(nr, nc).to(torch.float32)
+    planes = _planes(nr, nc, bits)
+    shape = (planes, nr // planes, nc)  # element (r, c) at (r // (nr / planes), r % ..., c)
+    if planes > 1:
+        shifts = torch.arange(planes, device=packed.device, dtype=torch.int32).view(planes, 1, 1) * bits
+        k = ((packed.view(1, nr // planes, nc).to(torch.int32) >> shifts) & levels).to(torch.float32)
+    else:
+        codes = _unpack(packed, bits)
+        if codes.numel() != nr * nc:  # only when rows * cols is not a multiple of 8
+            codes = codes[: nr * nc]
+        k = codes.view(shape).to(torch.float32)
     if signed:
         u = _uniform(k, _data_seed(rows)) if mode.startswith("dither") else None
-        s = torch.minimum(rows[:, None], cols[None, :]) if rank1 else rows[:, None]
+        r3 = rows.view(planes, -1, 1)
+        s = torch.minimum(r3, cols.view(1, 1, nc)) if rank1 else r3
         if mode in ("dither-bias", "dither-norm"):
-            return _dither_corrected(k, bits, smap, u, s, mode == "dither-norm").view(-1)
-        return (_signed_value(k, bits, smap, u) * s).view(-1)
-    hr, lo = rows[0], rows[1]
-    ls = torch.minimum(hr[:, None], cols[None, :]) if rank1 else hr[:, None]
+            return _dither_corrected(k, bits, smap, u, s, mode == "dither-norm")
+        return _signed_value(k, bits, smap, u) * s
+    hr, lo = rows[0].view(planes, -1, 1), rows[1].view(planes, -1, 1)
+    ls = torch.minimum(hr, cols.view(1, 1, nc)) if rank1 else hr
     step = -lo / (LOG_UNITS * levels)
-    out = torch.exp2((ls + lo[:, None]) * (1.0 / LOG_UNITS) + k * step[:, None]).clamp_min(FLOAT32_TINY)
+    out = torch.exp2((ls + lo) * (1.0 / LOG_UNITS) + k * step).clamp_min(FLOAT32_TINY)
     # an all-zero row or column; lo is EMPTY exactly when the row's maximum is
-    return torch.where((ls == EMPTY) | (lo[:, None] == EMPTY), 0.0, out).view(-1)
+    return torch.where((ls == EMPTY) | (lo == EMPTY), 0.0, out)
 
 
 # inductor-compiled twins of the two kernels (one fused loop each instead of ~20 eager passes),
@@ -533,7 +553,16 @@ def _eager(name: str, bits: int, signed: bool, mode: str = "nearest", smap: str 
         # block scales: ``cols`` is a placeholder whose length is the column count
         nc = None if scales == "rank1" else cols.shape[0]
         return _decode_matrix(rows, cols, packed, bits, signed, mode, smap or None, nc)
-    return decode
+    if name == "decode":
+        return lambda *args: decode(*args).view(-1)
+
+    def decode_into(rows: torch.Tensor, cols: torch.Tensor, packed: torch.Tensor,
+                    out: torch.Tensor) -> None:
+        # compiled, the values are stored into ``out`` as they are computed (no buffer between);
+        # ``out`` comes in the planes' shape: flat, the kernel would find each element's row and
+        # column by division (its sizes are symbols), unvectorized and 4-8x slower
+        out.copy_(decode(rows, cols, packed))
+    return decode_into
 
 
 def _run(name: str, n: int, bits: int, signed: bool, mode: str, *args: torch.Tensor,
@@ -621,11 +650,14 @@ def quantize(x: torch.Tensor, bits: int, block: int, signed: bool, name: str = "
 
 def dequantize(payload: torch.Tensor, shape: Sequence[int], bits: int, block: int, signed: bool,
                name: str = "quant", mode: str = "nearest", smap: str | None = None,
-               scales: str = "rank1", correction: str | None = None) -> torch.Tensor:
+               scales: str = "rank1", correction: str | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode a float32 tensor of ``shape`` from the stored bytes (a uint8 tensor; same device).
 
     ``mode`` matters only for "dither", whose decoder takes the dither off again, and then
-    ``correction`` (None or one of ``DITHER_CORRECTIONS``) corrects the values."""
+    ``correction`` (None or one of ``DITHER_CORRECTIONS``) corrects the values. ``out``: a
+    contiguous float32 tensor of as many elements to decode into (returned, viewed as ``shape``)
+    instead of a new one: a large chunk's fresh output faulted in more pages than it decoded."""
     shape = tuple(shape)
     expected = encoded_nbytes(shape, bits, block, signed, scales)
     if payload.numel() != expected:
@@ -651,8 +683,19 @@ def dequantize(payload: torch.Tensor, shape: Sequence[int], bits: int, block: in
             raise CodecError(f"{name}: correction {correction!r} is one of {DITHER_CORRECTIONS} "
                              "of a dithered signed chunk")
         mode = f"dither-{correction}"
-    out = _run("decode", n, bits, signed, mode, rows, cols, payload[head:], smap=smap, scales=scales)
-    return out[:n].view(shape)
+    if out is not None:
+        if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
+            raise CodecError(f"{name} decodes into a contiguous float32 tensor of {n} elements, "
+                             f"not {out.dtype} of {out.numel()}")
+        if nr * nc == n:  # else the block view's padded last row needs room of its own
+            planes = _planes(nr, nc, bits)
+            _run("decode_into", n, bits, signed, mode, rows, cols, payload[head:],
+                 out.view(planes, nr // planes, nc), smap=smap, scales=scales)
+            return out.view(shape)
+    values = _run("decode", n, bits, signed, mode, rows, cols, payload[head:], smap=smap, scales=scales)
+    if out is not None:
+        return out.view(shape).copy_(values[:n].view(shape))
+    return values[:n].view(shape)
 
 
 def bytes_tensor(data: memoryview | bytes | bytearray | torch.Tensor) -> torch.Tensor:

@@ -124,6 +124,14 @@ class QuantCodec(Codec):
         self.check_dtype(dtype)
         return self.decode_payload(quant.bytes_tensor(data), shape)
 
+    def decode_into(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype,
+                    out: torch.Tensor) -> None:
+        """``decode`` straight into ``out``: no float32 chunk of its own (see ``quant.dequantize``)."""
+        self.check_dtype(dtype)
+        quant.dequantize(quant.bytes_tensor(data), shape, self.code_bits, self.block, self.signed,
+                         self.name, mode=self.rounding, smap=self.signed_map, scales=self.scales,
+                         correction=self.correction, out=out)
+
     def decode_payload(self, payload: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """A float32 tensor of ``shape`` from the stored bytes as a uint8 tensor (any device)."""
         return quant.dequantize(payload, shape, self.code_bits, self.block, self.signed, self.name,
