@@ -526,17 +526,17 @@ def test_auto_compiles_a_kernel_once_its_eager_work_repays_it(monkeypatch: pytes
     monkeypatch.setattr(quant, "_COMPILED", {})
     monkeypatch.setattr(quant, "_EAGER_ELEMENTS", {})
     monkeypatch.setattr(quant, "COMPILE_AFTER_ELEMENTS", 3000)
-    x = torch.randn(32, 40)  # 1280 elements
+    x = torch.randn(32, 40)  # 1280 elements; codes packed by the kernel (``encode_into``)
     for _ in range(3):
         quant.quantize(x, 4, 128, True)
     assert not built  # eager while fewer than 3000 elements were done before the call
-    assert quant._EAGER_ELEMENTS[("encode", 4, True, "nearest", "", "rank1")] == 2560 + 1280
+    assert quant._EAGER_ELEMENTS[("encode_into", 4, True, "nearest", "", "rank1")] == 2560 + 1280
     quant.quantize(x, 4, 128, True)
-    assert list(quant._COMPILED) == [(("encode", 4, True, "nearest", "", "rank1"), False)]
+    assert list(quant._COMPILED) == [(("encode_into", 4, True, "nearest", "", "rank1"), False)]
     quant.set_compile("never")
     try:
         quant.quantize(x.abs(), 4, 128, False)
-        assert all(k[0] != ("encode", 4, False, "nearest", "", "rank1") for k in quant._COMPILED)
+        assert all(k[0] != ("encode_into", 4, False, "nearest", "", "rank1") for k in quant._COMPILED)
     finally:
         quant.set_compile("auto")
 
@@ -721,3 +721,23 @@ def test_a_store_decodes_whole_quantized_chunks_in_place_and_edge_chunks_through
                           if i + rows <= 301])
         assert torch.equal(got[: whole * rows], want)
         assert torch.allclose(got, x, atol=float(x.abs().max()) * 0.2)
+
+
+@pytest.mark.parametrize("compile_mode", ["never", pytest.param("always", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_codes_packed_by_the_kernel_are_the_planar_bytes_of_the_codes(compile_mode: str, bits: int) -> None:
+    """Where each code plane is whole rows the encoder packs as it quantizes, into the payload;
+    the bytes are the scales and ``_pack`` of the codes the unpacked kernel makes, as before."""
+    m, v = synthetic_moments(64 * 128, seed=7)
+    try:
+        quant.set_compile(compile_mode)
+        for x, signed, mode in [(m, True, "dither"), (m, True, "nearest"), (v, False, "stochastic")]:
+            xm = x.view(64, 128)
+            rows, cols, codes, _, _ = quant._run("encode", xm.numel(), bits, signed, mode, xm)
+            dtype = torch.float32 if signed else torch.int16
+            want = torch.cat([rows.to(dtype).view(-1).view(torch.uint8),
+                              cols.to(dtype).view(-1).view(torch.uint8),
+                              quant._pack(codes.reshape(-1), bits)])
+            assert torch.equal(quant.quantize(xm, bits, 128, signed, mode=mode), want)
+    finally:
+        quant.set_compile("auto")

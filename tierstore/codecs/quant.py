@@ -548,6 +548,22 @@ def _eager(name: str, bits: int, signed: bool, mode: str = "nearest", smap: str 
         def encode(xm: torch.Tensor) -> Any:
             return _encode_matrix(xm, bits, signed, mode, smap or None, scales)
         return encode
+    if name == "encode_into":
+        planes = 8 // bits
+
+        def encode_into(xm: torch.Tensor, packed: torch.Tensor) -> Any:
+            # codes packed as they are made, into the payload (``packed``: its code bytes as
+            # (rows / planes, cols)): plane i is rows i * rows / planes onwards, so each byte's
+            # codes sit at products of its row and column, never quotients (see ``_planes``)
+            rows, cols, codes, check_max, check_min = _encode_matrix(xm, bits, signed, mode,
+                                                                     smap or None, scales)
+            k = codes.view(planes, -1, xm.shape[1])
+            out = k[0]
+            for i in range(1, planes):
+                out = out | (k[i] << (bits * i))
+            packed.copy_(out)
+            return rows, cols, check_max, check_min
+        return encode_into
 
     def decode(rows: torch.Tensor, cols: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         # block scales: ``cols`` is a placeholder whose length is the column count
@@ -628,8 +644,17 @@ def quantize(x: torch.Tensor, bits: int, block: int, signed: bool, name: str = "
         return torch.empty(0, dtype=torch.uint8, device=x.device)
     if nr * nc > n:  # the block view's last row; zeros move no maximum of either mode
         flat = torch.nn.functional.pad(flat, (0, nr * nc - n))
-    rows, cols, codes, check_max, check_min = _run("encode", n, bits, signed, mode,
-                                                   flat.view(nr, nc), smap=smap, scales=scales)
+    planes = _planes(nr, nc, bits)
+    payload: torch.Tensor | None = None
+    if planes > 1:  # the codes packed by the kernel into the payload: no byte a code between
+        head = scale_nbytes(nr, nc, signed, scales)
+        payload = torch.empty(head + nr * nc * bits // 8, dtype=torch.uint8, device=x.device)
+        rows, cols, check_max, check_min = _run(
+            "encode_into", n, bits, signed, mode, flat.view(nr, nc),
+            payload[head:].view(nr // planes, nc), smap=smap, scales=scales)
+    else:
+        rows, cols, codes, check_max, check_min = _run("encode", n, bits, signed, mode,
+                                                       flat.view(nr, nc), smap=smap, scales=scales)
     # NaN and inf reach every row reduction, so validating the small per-row results is enough,
     # and costs no extra pass over the chunk
     if not bool(torch.isfinite(check_max).all() and torch.isfinite(check_min).all()):
@@ -639,12 +664,15 @@ def quantize(x: torch.Tensor, bits: int, block: int, signed: bool, name: str = "
             f"{name} with signed=False stores non-negative data (e.g. Adam's exp_avg_sq), but the "
             "chunk holds negative values; use signed=True"
         )
+    dtype = torch.float32 if signed else torch.int16
+    parts = [t.to(dtype).reshape(-1).view(torch.uint8) for t in (rows, cols)]
+    if payload is not None:
+        torch.cat(parts, out=payload[:head])
+        return payload
     codes = codes.view(-1)
     pad8 = (-codes.numel()) % 8
     if pad8:  # only when rows * cols is not a multiple of 8
         codes = torch.nn.functional.pad(codes, (0, pad8))
-    dtype = torch.float32 if signed else torch.int16
-    parts = [t.to(dtype).reshape(-1).view(torch.uint8) for t in (rows, cols)]
     return torch.cat([*parts, _pack(codes, bits)])
 
 
