@@ -251,6 +251,14 @@ def test_signed_keeps_sign_and_absmax(values: list[float], name: str, block: int
     assert float(y.abs().max()) == float(x.abs().max())  # the absmax element is exact
 
 
+def test_q2_keeps_the_sign_of_a_value_tiny_against_its_scale() -> None:
+    """Found by the test above: at q2 (no zero level) -1 beside 1.1e15 in a block decoded to
+    +1.25e14, as ``1 - |y|`` rounded to 1.0 and the tie went to the positive code."""
+    x = torch.tensor([0.0, 1125899772624896.0, 1125899772624896.0, -1.0])
+    y = _round_trip(codecs.get("q2", block=2), x)
+    assert bool((y * x >= 0).all()) and float(y[3]) < 0
+
+
 SHAPES = [(), (0,), (1,), (7,), (3, 0, 5), (129,), (5, 77), (2, 3, 4, 5)]
 
 

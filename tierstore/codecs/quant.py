@@ -384,6 +384,11 @@ def _encode_matrix(xm: torch.Tensor, bits: int, signed: bool, mode: str = "neare
             codes = _de_codes(torch.where(neg, -y, y), bits, None if seed is None else _uniform(y, seed))
         elif seed is None:
             codes = ((torch.where(neg, -yc, yc) + 1.0) * half).round().clamp(0, npts - 1)
+            if bits == 2:
+                # no zero level: a value so small against its scale that 1 - |y| rounds to 1.0
+                # lands on the tie between -1/9 and +1/9, and the tie went to +1/9 whatever
+                # its sign; a negative value keeps a negative code
+                codes = torch.where(neg, codes.clamp_max(1), codes)
         elif mode == "dither":
             # subtractive dither: the decoder regenerates u from the stored row maxima and takes
             # it off again, so the error is uniform in (-1/2, 1/2) of a step whatever the value,
