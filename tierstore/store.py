@@ -312,8 +312,7 @@ class AsyncStore(ReadPath):
             # reads in flight land as clean chunks, which an allocation can evict
             self._host.wake_on_landing = True
             return None
-        failed = [t.exception() for ts in self._writes.values() for t in ts
-                  if t.done() and not t.cancelled() and t.exception() is not None]
+        failed = self._failed_writes()
         if failed:
             return f"{len(failed)} chunk writes failed; last error: {failed[-1]}"
         if start_write_back(self):
@@ -325,11 +324,15 @@ class AsyncStore(ReadPath):
                     "open update() are written once it ends)")
         return None
 
+    def _failed_writes(self) -> list[BaseException]:
+        """The errors of write tasks that failed and are still listed (a commit retries them)."""
+        return [e for ts in self._writes.values() for t in ts
+                if t.done() and not t.cancelled() and (e := t.exception()) is not None]
+
     def _updates_may_free(self, me: object | None) -> bool:
         """Whether an open in-place update is held by a live caller other than ``me`` that waits
         for no room itself: its end can free room (see ``tierstore.callers``)."""
-        if any(t.done() and not t.cancelled() and t.exception() is not None
-               for ts in self._writes.values() for t in ts):
+        if self._failed_writes():
             return False  # the disk refuses writes: an update's end frees nothing
         waiting = self._host.waiting
         return any(h is not me and h not in waiting and callers.alive(h)
